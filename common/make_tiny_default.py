@@ -1,0 +1,238 @@
+"""Make the embedded offline default: a tiny alpaca-style dataset and a tiny Llama config + tokenizer.
+
+Writes common/tiny_tasks/ (train.parquet + README.md) and common/tiny_llama/ (config, tokenizer,
+README.md, no weights). Deterministic: rerunning gives byte-identical files. Rerun from the repo root:
+
+    python -m common.make_tiny_default
+"""
+
+import json
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+HERE = Path(__file__).resolve().parent
+DATA_DIR = HERE / "tiny_tasks"
+MODEL_DIR = HERE / "tiny_llama"
+N_ROWS = 20_000
+VOCAB_SIZE = 512
+SPECIALS = ["<s>", "</s>", "<pad>"]
+MAX_LEN = 512
+
+WORDS = """
+apple baby ball bank bird black blue boat book box bread bridge brown cake car cat chair city
+clock cloud cold cup day desk dog door dream duck earth egg farm fire fish floor flower food
+forest friend game garden gift glass gold green hand happy hat heart horse house ice jump key
+king lamp leaf light lion moon mother mouse music night ocean orange paper park pen pig plant
+queen rain red river road rock room rose school sea ship shoe sky snow song star stone sun table
+tea tree water white wind window winter wolf yellow zebra
+""".split()
+
+# Alpaca's two exact prompt templates (tatsu-lab/alpaca `text` column).
+WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n{output}"
+)
+NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n{output}"
+)
+
+
+# Each task returns (instruction, input, output); a task either asks inside the instruction
+# (input "") or puts the data in the input, so both alpaca templates appear.
+def add(r):
+    a, b = r.randint(0, 999), r.randint(0, 999)
+    if r.random() < 0.5:
+        q = r.choice(["What is {a} + {b}?", "Add {a} and {b}.", "Compute {a} plus {b}."])
+        return q.format(a=a, b=b), "", str(a + b)
+    q = r.choice(["Add the two numbers.", "Find the sum of the numbers."])
+    return q, f"{a} {b}", str(a + b)
+
+
+def sub(r):
+    a, b = sorted([r.randint(0, 999), r.randint(0, 999)], reverse=True)  # keep results non-negative
+    if r.random() < 0.5:
+        q = r.choice(["What is {a} - {b}?", "Subtract {b} from {a}.", "Compute {a} minus {b}."])
+        return q.format(a=a, b=b), "", str(a - b)
+    q = r.choice(["Subtract the second number from the first.", "Find the difference of the numbers."])
+    return q, f"{a} {b}", str(a - b)
+
+
+def mul(r):
+    a, b = r.randint(0, 12), r.randint(0, 12)
+    if r.random() < 0.5:
+        q = r.choice(["What is {a} * {b}?", "Multiply {a} by {b}.", "What is {a} times {b}?"])
+        return q.format(a=a, b=b), "", str(a * b)
+    q = r.choice(["Multiply the two numbers.", "Find the product of the numbers."])
+    return q, f"{a} {b}", str(a * b)
+
+
+def num_list(r):
+    return [r.randint(0, 99) for _ in range(r.randint(3, 6))]
+
+
+def word_list(r):
+    return r.sample(WORDS, r.randint(3, 5))
+
+
+def join(xs):
+    return ", ".join(map(str, xs))
+
+
+def sort_numbers(r):
+    xs = num_list(r)
+    q = r.choice(["Sort these numbers in ascending order.", "Sort the numbers from smallest to largest."])
+    return q, join(xs), join(sorted(xs))
+
+
+def sort_words(r):
+    xs = word_list(r)
+    q = r.choice(["Sort these words alphabetically.", "Put the words in alphabetical order."])
+    return q, join(xs), join(sorted(xs))
+
+
+def reverse_word(r):
+    w = r.choice(WORDS)
+    if r.random() < 0.5:
+        q = r.choice(["Reverse the word '{w}'.", "Spell '{w}' backwards."])
+        return q.format(w=w), "", w[::-1]
+    return r.choice(["Reverse the word.", "Spell the word backwards."]), w, w[::-1]
+
+
+def reverse_list(r):
+    xs = num_list(r) if r.random() < 0.5 else word_list(r)
+    q = r.choice(["Reverse the order of the list.", "Write the list in reverse order."])
+    return q, join(xs), join(xs[::-1])
+
+
+def count_letter(r):
+    w = r.choice(WORDS)
+    c = r.choice(w) if r.random() < 0.8 else r.choice("abcdefghijklmnopqrstuvwxyz")  # zeros too
+    if r.random() < 0.5:
+        q = r.choice(["How many times does the letter '{c}' appear in '{w}'?", "Count the letter '{c}' in '{w}'."])
+        return q.format(c=c, w=w), "", str(w.count(c))
+    return f"Count how many times the letter '{c}' appears in the word.", w, str(w.count(c))
+
+
+def max_min(r):
+    xs = num_list(r)
+    if r.random() < 0.5:
+        q = r.choice(["Find the largest number in the list.", "What is the maximum of these numbers?"])
+        return q, join(xs), str(max(xs))
+    q = r.choice(["Find the smallest number in the list.", "What is the minimum of these numbers?"])
+    return q, join(xs), str(min(xs))
+
+
+def uppercase(r):
+    w = r.choice(WORDS)
+    if r.random() < 0.5:
+        q = r.choice(["Write '{w}' in uppercase.", "Convert '{w}' to capital letters."])
+        return q.format(w=w), "", w.upper()
+    return r.choice(["Convert the word to uppercase.", "Write the word in capital letters."]), w, w.upper()
+
+
+TASKS = [add, sub, mul, sort_numbers, sort_words, reverse_word, reverse_list, count_letter, max_min, uppercase]
+
+
+def make_rows():
+    r = random.Random(0)
+    rows = []
+    for _ in range(N_ROWS):
+        instruction, inp, output = r.choice(TASKS)(r)
+        template = WITH_INPUT if inp else NO_INPUT
+        text = template.format(instruction=instruction, input=inp, output=output)
+        rows.append({"instruction": instruction, "input": inp, "output": output, "text": text})
+    return rows
+
+
+def write_dataset(rows):
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    cols = {k: pa.array([row[k] for row in rows], pa.string()) for k in ["instruction", "input", "output", "text"]}
+    pq.write_table(pa.table(cols), DATA_DIR / "train.parquet", compression="zstd")
+    (DATA_DIR / "README.md").write_text(
+        # The YAML header only keeps datasets from logging "Repo card metadata block was not found".
+        "---\npretty_name: tiny_tasks\nlanguage:\n- en\n---\n\n"
+        "# tiny_tasks\n\n"
+        f"{len(rows)} generated alpaca-style rows (columns `instruction`, `input`, `output`, `text`, same\n"
+        "templates as tatsu-lab/alpaca): arithmetic, sorting, reversing, letter counting, max/min and\n"
+        "uppercasing. Small and regular enough for a ~1M-parameter model to learn in a few hundred CPU steps.\n\n"
+        'Load with `datasets.load_dataset("common/tiny_tasks", split="train")`.\n'
+        "Generated by `python -m common.make_tiny_default`; do not edit by hand.\n"
+    )
+
+
+def train_tokenizer(texts):
+    tok = Tokenizer(models.BPE())
+    # Single digits keep arithmetic learnable: every number splits the same way, digit by digit.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # any byte string stays encodable
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=MAX_LEN,  # else a 1e30 placeholder and truncation=True never truncates
+    )
+
+
+def write_model(tokenizer):
+    MODEL_DIR.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(MODEL_DIR)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=MAX_LEN,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config.save_pretrained(MODEL_DIR)
+    (MODEL_DIR / "README.md").write_text(
+        "# tiny_llama\n\n"
+        "Config and tokenizer for a ~1M-parameter Llama (4 layers, hidden 128, vocab 512). No weights:\n"
+        "the training scripts build the model with `AutoModelForCausalLM.from_config` and train from scratch.\n"
+        "The tokenizer is a byte-level BPE (single digits) trained on `common/tiny_tasks`.\n\n"
+        'Load with `AutoConfig.from_pretrained("common/tiny_llama")` and `AutoTokenizer.from_pretrained(...)`.\n'
+        "Generated by `python -m common.make_tiny_default`; do not edit by hand.\n"
+    )
+
+
+def main():
+    rows = make_rows()
+    write_dataset(rows)
+    tokenizer = train_tokenizer([row["text"] for row in rows])
+    assert len(tokenizer) == VOCAB_SIZE, len(tokenizer)
+    write_model(tokenizer)
+    for path in sorted([*DATA_DIR.iterdir(), *MODEL_DIR.iterdir()]):
+        print(f"{path.stat().st_size:>9,}  {path.relative_to(HERE.parent)}")
+
+
+if __name__ == "__main__":
+    main()
