@@ -1,0 +1,76 @@
+"""Each chapter's lesson is the diff of its train_llm.py against the previous chapter's.
+
+    python -m common.diff 01 02      # print the diff between chapters 01 and 02
+    python -m common.diff --update   # rewrite the diff embedded in every chapter README
+
+A chapter README embeds its diff between two markers, which `--update` rewrites and the test
+suite checks, so the diff a reader sees is never stale:
+
+    <!-- diff: 01-single-gpu/train_llm.py 02-multi-gpu/train_llm.py -->
+    ...
+    <!-- end diff -->
+"""
+
+import argparse
+import difflib
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+_BLOCK = re.compile(r"<!-- diff: (\S+) (\S+) -->\n.*?<!-- end diff -->", re.DOTALL)
+
+
+def chapters() -> list[Path]:
+    """Chapter folders (`01-single-gpu`, ...) that hold a train_llm.py, in reading order."""
+    return sorted(p.parent for p in REPO.glob("[0-9][0-9]-*/train_llm.py"))
+
+
+def chapter(number: str) -> Path:
+    found = [p for p in chapters() if p.name.startswith(f"{int(number):02d}-")]
+    if not found:
+        raise SystemExit(f"error: no chapter {number!r}; chapters: {', '.join(p.name for p in chapters())}")
+    return found[0]
+
+
+def unified_diff(old: str, new: str) -> str:
+    """The diff between two files given relative to the repo root, labelled with those paths."""
+    lines = difflib.unified_diff(
+        (REPO / old).read_text().splitlines(keepends=True),
+        (REPO / new).read_text().splitlines(keepends=True),
+        fromfile=f"a/{old}",
+        tofile=f"b/{new}",
+    )
+    return "".join(lines)
+
+
+def render_block(old: str, new: str) -> str:
+    return f"<!-- diff: {old} {new} -->\n```diff\n{unified_diff(old, new)}```\n<!-- end diff -->"
+
+
+def updated_readme(text: str) -> str:
+    """The README text with every embedded diff block regenerated from the current code."""
+    return _BLOCK.sub(lambda m: render_block(m.group(1), m.group(2)), text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("old", nargs="?", help="chapter number, e.g. 01")
+    parser.add_argument("new", nargs="?", help="chapter number, e.g. 02")
+    parser.add_argument("--update", action="store_true", help="rewrite the diffs embedded in chapter READMEs")
+    args = parser.parse_args()
+    if args.update:
+        for readme in REPO.glob("[0-9][0-9]-*/README.md"):
+            text = readme.read_text()
+            if updated_readme(text) != text:
+                readme.write_text(updated_readme(text))
+                print(f"updated {readme.relative_to(REPO)}")
+    elif args.old and args.new:
+        old, new = chapter(args.old), chapter(args.new)
+        sys.stdout.write(unified_diff(f"{old.name}/train_llm.py", f"{new.name}/train_llm.py"))
+    else:
+        parser.error("give two chapter numbers (e.g. 01 02), or --update")
+
+
+if __name__ == "__main__":
+    main()
