@@ -1,0 +1,72 @@
+"""Test-only fault injection. Python imports this file at start-up when its folder is on PYTHONPATH
+(tests/harness.py puts it there when a test asks for a fault), so the training scripts carry no
+test hooks. Each fault is chosen by an environment variable:
+
+FAULT_KILL_AFTER_CHECKPOINT=N   SIGKILL this process right after its N-th checkpoint is published.
+FAULT_KILL_DURING_CHECKPOINT=N  SIGKILL this process half-way through a file of its N-th checkpoint.
+FAULT_RAISE_AT_STEP=N           raise in the N-th optimizer step, on the rank FAULT_RANK (default 0).
+"""
+
+import os
+import signal
+from pathlib import Path
+
+
+def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if "FAULT_KILL_AFTER_CHECKPOINT" in os.environ:
+    _kill_after = int(os.environ["FAULT_KILL_AFTER_CHECKPOINT"])
+    _published = 0
+    _replace = os.replace
+
+    def _replace_then_maybe_die(src, dst, *args, **kwargs):
+        global _published
+        _replace(src, dst, *args, **kwargs)
+        if Path(dst).name.startswith("step-"):
+            _published += 1
+            if _published == _kill_after:
+                _die()
+
+    os.replace = _replace_then_maybe_die
+
+if "FAULT_KILL_DURING_CHECKPOINT" in os.environ:
+    import io
+
+    import torch
+
+    _kill_during = int(os.environ["FAULT_KILL_DURING_CHECKPOINT"])
+    _staging_dirs = []
+    _save = torch.save
+
+    def _save_or_die_half_way(obj, f, *args, **kwargs):
+        parent = Path(f).parent if isinstance(f, (str, os.PathLike)) else None
+        if parent is not None and parent.name.endswith(".tmp"):
+            if parent not in _staging_dirs:
+                _staging_dirs.append(parent)
+            # The second file of the N-th checkpoint: one file complete, this one cut in half.
+            if len(_staging_dirs) == _kill_during and any(parent.iterdir()):
+                buffer = io.BytesIO()
+                _save(obj, buffer, *args, **kwargs)
+                Path(f).write_bytes(buffer.getvalue()[: buffer.tell() // 2])
+                _die()
+        return _save(obj, f, *args, **kwargs)
+
+    torch.save = _save_or_die_half_way
+
+if "FAULT_RAISE_AT_STEP" in os.environ and os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0"):
+    import torch
+
+    _raise_at = int(os.environ["FAULT_RAISE_AT_STEP"])
+    _adamw_step = torch.optim.AdamW.step
+    _steps = 0
+
+    def _step_or_raise(self, *args, **kwargs):
+        global _steps
+        _steps += 1
+        if _steps == _raise_at:
+            raise RuntimeError(f"injected fault at step {_steps} on rank {os.environ.get('RANK', '0')}")
+        return _adamw_step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = _step_or_raise

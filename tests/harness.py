@@ -1,0 +1,72 @@
+"""Runs a chapter's train_llm.py as its users do, in a subprocess, and reads back what it wrote."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FAULTS = Path(__file__).parent / "faults"
+VOCAB_SIZE = 512  # of the embedded tiny model
+UNIFORM_LOSS = math.log(VOCAB_SIZE)
+
+# Small and quick, yet every step sees different data and updates every weight.
+FAST_ARGS = ["--batch-size", "4", "--seq-length", "128", "--warmup-steps", "5", "--log-freq", "1"]
+
+
+def run_chapter(
+    chapter: str,
+    *args: str,
+    hf_home: Path,
+    nproc: int | None = None,
+    env: dict | None = None,
+    faults: dict | None = None,
+    check: bool = True,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """Runs `chapter`/train_llm.py with `python`, or under `torchrun --standalone` when `nproc` is given.
+
+    The environment is what the docs tell users, made hermetic: W&B offline, Hugging Face caches in
+    `hf_home`, no Hub access, one math thread per process (two cores are shared by all ranks).
+    `faults` switches on tests/faults/sitecustomize.py with the given FAULT_* variables.
+    """
+    script = str(REPO / chapter / "train_llm.py")
+    if nproc is None:
+        cmd = [sys.executable, script, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, *args]
+    full_env = {
+        **os.environ,
+        "WANDB_MODE": "offline",
+        "HF_HOME": str(hf_home),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
+    if faults:
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), full_env.get("PYTHONPATH")]))
+        full_env.update({k: str(v) for k, v in faults.items()})
+    proc = subprocess.run(cmd, env=full_env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_metrics(exp_dir: Path) -> dict[int, dict]:
+    """metrics.jsonl by step. A resumed run logs again the steps after its checkpoint: the last entry wins."""
+    records = [json.loads(line) for line in (exp_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records}
+
+
+def losses(exp_dir: Path) -> list[float]:
+    metrics = read_metrics(exp_dir)
+    assert sorted(metrics) == list(range(1, len(metrics) + 1)), f"steps missing from metrics: {sorted(metrics)}"
+    return [metrics[step]["loss"] for step in sorted(metrics)]
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""

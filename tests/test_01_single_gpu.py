@@ -1,0 +1,147 @@
+import json
+import math
+import shutil
+
+import pytest
+from harness import FAST_ARGS, REPO, UNIFORM_LOSS, VOCAB_SIZE, last_line, losses, read_metrics, run_chapter
+
+CHAPTER = "01-single-gpu"
+STEPS = 12
+
+
+def test_default_run_learns(tmp_path, hf_home):
+    # The default settings, cut short: the tiny model must learn the task data quickly.
+    run_chapter(CHAPTER, "--save-dir", str(tmp_path), "--max-steps", "100", "--log-freq", "5", hf_home=hf_home)
+    metrics = read_metrics(tmp_path / "default")
+    first, last = metrics[5]["loss"], metrics[100]["loss"]
+    assert abs(first - UNIFORM_LOSS) < 0.3, f"a fresh model should guess uniformly: {first} vs {UNIFORM_LOSS}"
+    assert last < 0.5 * UNIFORM_LOSS, f"loss {last} did not fall well below ln({VOCAB_SIZE}) = {UNIFORM_LOSS:.2f}"
+    assert metrics[100]["tokens_per_s"] > 0 and metrics[100]["memory/peak_rss_gib"] > 0
+    assert {"time/data_ms", "time/forward_ms", "time/backward_ms", "time/optimizer_ms"} <= metrics[100].keys()
+    assert (tmp_path / "default" / "checkpoints" / "step-00000100" / "model.pt").exists()
+    assert list((tmp_path / "default" / "wandb").glob("offline-run-*")), "wandb should log offline"
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, hf_home):
+    """The reference: STEPS steps without interruption. Tests that change its folder take a copy."""
+    save_dir = tmp_path_factory.mktemp("straight")
+    run_chapter(CHAPTER, *FAST_ARGS, "--max-steps", str(STEPS), "--save-dir", str(save_dir), hf_home=hf_home)
+    return save_dir / "default"
+
+
+@pytest.fixture(scope="module")
+def straight_losses(straight_run):
+    return losses(straight_run)
+
+
+def test_exact_resume_after_kill(tmp_path, hf_home, straight_losses):
+    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", str(STEPS // 2), "--save-dir", str(tmp_path)]
+    killed = run_chapter(CHAPTER, *args, hf_home=hf_home, faults={"FAULT_KILL_AFTER_CHECKPOINT": 1}, check=False)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    exp_dir = tmp_path / "default"
+    assert max(read_metrics(exp_dir)) == STEPS // 2
+
+    resumed = run_chapter(CHAPTER, *args, hf_home=hf_home)
+    assert f"Resumed from {exp_dir / 'checkpoints' / 'step-00000006'} at step 6" in resumed.stderr
+    assert losses(exp_dir) == straight_losses  # bitwise: fp32 on CPU is deterministic
+
+
+def test_kill_while_saving_resumes_from_previous_checkpoint(tmp_path, hf_home, straight_losses):
+    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", "4", "--save-dir", str(tmp_path)]
+    killed = run_chapter(CHAPTER, *args, hf_home=hf_home, faults={"FAULT_KILL_DURING_CHECKPOINT": 2}, check=False)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    checkpoints = tmp_path / "default" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004", "step-00000008.tmp"]
+
+    resumed = run_chapter(CHAPTER, *args, hf_home=hf_home)
+    assert "at step 4" in resumed.stderr
+    assert losses(tmp_path / "default") == straight_losses
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step-{STEPS:08d}"], "stale saves are cleaned up"
+
+
+def test_rerunning_a_finished_run_does_nothing(tmp_path, hf_home, straight_run):
+    shutil.copytree(straight_run, tmp_path / "default")
+    before = (tmp_path / "default" / "metrics.jsonl").read_text()
+    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--save-dir", str(tmp_path)]
+    rerun = run_chapter(CHAPTER, *args, hf_home=hf_home)
+    assert "Resumed from" in rerun.stderr and f"Done: {STEPS} steps" in rerun.stderr
+    assert (tmp_path / "default" / "metrics.jsonl").read_text() == before
+
+
+def _json_folder_without_text(tmp_path):
+    folder = tmp_path / "no_text"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(json.dumps({"instruction": "hi", "output": "hello"}) + "\n")
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--dataset-name", "/no/such/dataset"], "--dataset-name"),
+        (["--dataset-name", _json_folder_without_text], "--dataset-name"),
+        (["--model-name", "/no/such/model"], "--model-name"),
+        (["--from-pretrained"], "--from-pretrained"),  # the embedded default has a config but no weights
+        (["--batch-size", "0"], "--batch-size"),
+        (["--seq-length", "1024"], "--seq-length"),
+        (["--batch-size", "100000"], "--batch-size"),
+    ],
+    ids=["missing-dataset", "no-text-column", "missing-model", "no-weights", "zero-batch", "too-long", "huge-batch"],
+)
+def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, hf_home, args, flag):
+    args = [arg(tmp_path) if callable(arg) else arg for arg in args]
+    save_dir = tmp_path / "outputs"
+    proc = run_chapter(CHAPTER, *args, "--save-dir", str(save_dir), hf_home=hf_home, check=False)
+    assert proc.returncode != 0
+    assert flag in last_line(proc.stderr), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not save_dir.exists()
+
+
+def test_corrupt_checkpoint_fails_clearly_and_writes_nothing(tmp_path, hf_home, straight_run):
+    exp_dir = tmp_path / "default"
+    shutil.copytree(straight_run, exp_dir)
+    model_file = exp_dir / "checkpoints" / f"step-{STEPS:08d}" / "model.pt"
+    model_file.write_bytes(model_file.read_bytes()[:1000])
+    before = sorted((p, p.stat().st_mtime_ns) for p in exp_dir.rglob("*"))
+
+    args = [*FAST_ARGS, "--max-steps", str(2 * STEPS), "--save-dir", str(tmp_path)]
+    proc = run_chapter(CHAPTER, *args, hf_home=hf_home, check=False)
+    assert proc.returncode != 0
+    assert f"step-{STEPS:08d}" in last_line(proc.stderr) and "--experiment-name" in last_line(proc.stderr)
+    assert sorted((p, p.stat().st_mtime_ns) for p in exp_dir.rglob("*")) == before
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "txt"])
+def test_local_dataset_folder(tmp_path, hf_home, fmt):
+    """A local folder goes through the same load_dataset call as a Hub name."""
+    folder = tmp_path / "my_data"
+    folder.mkdir()
+    docs = [f"Line {i}: the quick brown fox jumps over the lazy dog {i} times." for i in range(200)]
+    if fmt == "jsonl":
+        (folder / "train.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
+    else:
+        (folder / "train.txt").write_text("\n".join(docs) + "\n")
+    args = ["--dataset-name", str(folder), "--batch-size", "2", "--seq-length", "32", "--max-steps", "3"]
+    run_chapter(CHAPTER, *args, "--log-freq", "1", "--save-dir", str(tmp_path / "out"), hf_home=hf_home)
+    assert all(math.isfinite(loss) for loss in losses(tmp_path / "out" / "default"))
+
+
+def test_from_pretrained_loads_the_weights(tmp_path, hf_home):
+    # All-zero weights give all-zero logits, so the first loss is exactly ln(vocab): a model
+    # initialized from the config would not be.
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = tmp_path / "zero_model"
+    shutil.copytree(REPO / "common" / "tiny_llama", model_dir)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    model.save_pretrained(model_dir)
+
+    args = ["--model-name", str(model_dir), "--from-pretrained", "--max-steps", "1", "--log-freq", "1"]
+    run_chapter(CHAPTER, *args, "--save-dir", str(tmp_path / "out"), hf_home=hf_home)
+    assert losses(tmp_path / "out" / "default")[0] == pytest.approx(UNIFORM_LOSS, abs=1e-5)

@@ -1,0 +1,72 @@
+import json
+import subprocess
+import sys
+
+import pytest
+from harness import REPO
+
+from common import DEFAULT_MODEL, latest_checkpoint, load_and_pack, publish_checkpoint
+from common.diff import chapters, render_block, updated_readme
+
+
+def test_packing_keeps_every_token_in_order(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    docs = [f"document {i}: " + "word " * (i % 7) for i in range(50)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+
+    packed = load_and_pack(str(tmp_path / "data"), tokenizer, seq_length=16)
+
+    stream = [t for d in docs for t in tokenizer(d)["input_ids"] + [tokenizer.eos_token_id]]
+    rows = packed[:]  # a dict of (rows, 16) tensors
+    assert len(packed) == len(stream) // 16
+    assert rows["input_ids"].shape == (len(packed), 16)
+    assert rows["input_ids"].flatten().tolist() == stream[: len(packed) * 16]
+    assert rows["labels"].equal(rows["input_ids"])  # the model shifts labels itself
+
+
+def test_checkpoint_folders(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    assert latest_checkpoint(tmp_path) is None
+    for name in ["step-00000004", "step-00000010", "step-00000012.tmp"]:
+        (checkpoints / name).mkdir(parents=True)
+        (checkpoints / name / "state.json").write_text("{}")
+    assert latest_checkpoint(tmp_path).name == "step-00000010", "an unfinished save is never resumed from"
+
+    staged = checkpoints / "step-00000014.tmp"
+    staged.mkdir()
+    (staged / "state.json").write_text('{"global_step": 14}')
+    publish_checkpoint(staged, checkpoints / "step-00000014")
+    assert [p.name for p in checkpoints.iterdir()] == ["step-00000014"]
+    assert (latest_checkpoint(tmp_path) / "state.json").read_text() == '{"global_step": 14}'
+
+
+def test_chapter_readmes_embed_their_current_diff():
+    found = chapters()
+    assert found[0].name == "01-single-gpu"
+    for previous, chapter in zip(found, found[1:]):
+        readme = (chapter / "README.md").read_text()
+        marker = f"<!-- diff: {previous.name}/train_llm.py {chapter.name}/train_llm.py -->"
+        assert marker in readme, f"{chapter.name}/README.md must embed its diff against {previous.name}"
+        assert updated_readme(readme) == readme, f"stale diff in {chapter.name}/README.md: run python -m common.diff --update"
+
+
+def test_stale_diff_is_detected():
+    current = render_block("01-single-gpu/train_llm.py", "tests/harness.py")
+    assert updated_readme(f"intro\n{current}\nmore") == f"intro\n{current}\nmore"
+    stale = current.replace("+", "-", 3)
+    assert updated_readme(f"intro\n{stale}\nmore") == f"intro\n{current}\nmore"
+
+
+@pytest.mark.parametrize("new", ["01", "1"])
+def test_diff_command(new):
+    proc = subprocess.run([sys.executable, "-m", "common.diff", "01", new], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == ""  # a chapter against itself
+
+
+def test_diff_command_unknown_chapter():
+    proc = subprocess.run([sys.executable, "-m", "common.diff", "01", "42"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode != 0 and "no chapter '42'" in proc.stderr
