@@ -13,6 +13,7 @@ from common.utils import (
     peak_bf16_flops,
     positive_int,
     publish_checkpoint,
+    rank0_first,
     setup_logging,
     wandb_mode,
 )

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import psutil
 import torch
+import torch.distributed as dist
 import tqdm
+import wandb
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +29,21 @@ class _TqdmHandler(logging.StreamHandler):
         tqdm.tqdm.write(self.format(record), file=sys.stderr)
 
 
-def setup_logging(prefix: str = "") -> None:
+def setup_logging(prefix: str = "", level: int = logging.INFO) -> None:
     handler = _TqdmHandler()
     handler.setFormatter(logging.Formatter(f"{prefix}[%(asctime)s] %(levelname)s:%(name)s: %(message)s"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+@contextmanager
+def rank0_first():
+    """Rank 0 runs the block first (downloads, tokenizes, fills the caches), then the other ranks run
+    it and find everything cached. Without it, every rank would download and tokenize at once."""
+    if dist.get_rank() != 0:
+        dist.barrier()
+    yield
+    if dist.get_rank() == 0:
+        dist.barrier()
 
 
 class PhaseTimers:
@@ -121,8 +134,6 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 def wandb_mode() -> str | None:
     """`WANDB_MODE` when set; otherwise online if a W&B login exists, else offline (never a key prompt)."""
-    import wandb
-
     if os.environ.get("WANDB_MODE"):
         return None  # wandb reads it itself
     if wandb.login(prompt=False, verify=False):

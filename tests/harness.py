@@ -21,6 +21,7 @@ def run_chapter(
     *args: str,
     hf_home: Path,
     nproc: int | None = None,
+    torchrun_args: tuple = (),
     env: dict | None = None,
     faults: dict | None = None,
     check: bool = True,
@@ -36,7 +37,8 @@ def run_chapter(
     if nproc is None:
         cmd = [sys.executable, script, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, *args]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd = [*torchrun, *torchrun_args, script, *args]
     full_env = {
         **os.environ,
         "WANDB_MODE": "offline",
@@ -70,3 +72,30 @@ def losses(exp_dir: Path) -> list[float]:
 def last_line(text: str) -> str:
     lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else ""
+
+
+def wandb_run_record(run_dir: Path):
+    """The RunRecord (id, group, name, ...) of an offline wandb run folder.
+
+    A `.wandb` file is a 7-byte header, then LevelDB-style log blocks of 32 KiB whose records
+    (4-byte checksum, 2-byte length, 1-byte type) carry serialized `wandb_internal_pb2.Record`s.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data = next(run_dir.glob("*.wandb")).read_bytes()
+    assert data[:4] == b":W&B", f"not a wandb log: {run_dir}"
+    pos, block, chunks = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunks += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL, or LAST of a record split over blocks
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            if record.WhichOneof("record_type") == "run":
+                return record.run
+    raise AssertionError(f"no run record in {run_dir}")

@@ -66,7 +66,7 @@ if "FAULT_RAISE_AT_STEP" in os.environ and os.environ.get("RANK", "0") == os.env
         global _steps
         _steps += 1
         if _steps == _raise_at:
-            raise RuntimeError(f"injected fault at step {_steps} on rank {os.environ.get('RANK', '0')}")
+            raise RuntimeError(f"injected fault at step {_steps}")
         return _adamw_step(self, *args, **kwargs)
 
     torch.optim.AdamW.step = _step_or_raise
