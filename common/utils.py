@@ -36,13 +36,17 @@ def setup_logging(prefix: str = "", level: int = logging.INFO) -> None:
 
 
 @contextmanager
-def rank0_first():
+def rank0_first(local: bool = False):
     """Rank 0 runs the block first (downloads, tokenizes, fills the caches), then the other ranks run
-    it and find everything cached. Without it, every rank would download and tokenize at once."""
-    if dist.get_rank() != 0:
+    it and find everything cached. Without it, every rank would download and tokenize at once.
+
+    With `local=True`, local rank 0 of every node goes first: for caches on each node's own disk.
+    """
+    first = int(os.environ["LOCAL_RANK"]) == 0 if local else dist.get_rank() == 0
+    if not first:
         dist.barrier()
     yield
-    if dist.get_rank() == 0:
+    if first:
         dist.barrier()
 
 

@@ -16,29 +16,11 @@ UNIFORM_LOSS = math.log(VOCAB_SIZE)
 FAST_ARGS = ["--batch-size", "4", "--seq-length", "128", "--warmup-steps", "5", "--log-freq", "1"]
 
 
-def run_chapter(
-    chapter: str,
-    *args: str,
-    hf_home: Path,
-    nproc: int | None = None,
-    torchrun_args: tuple = (),
-    env: dict | None = None,
-    faults: dict | None = None,
-    check: bool = True,
-    timeout: float = 300,
-) -> subprocess.CompletedProcess:
-    """Runs `chapter`/train_llm.py with `python`, or under `torchrun --standalone` when `nproc` is given.
-
-    The environment is what the docs tell users, made hermetic: W&B offline, Hugging Face caches in
+def chapter_env(hf_home: Path, env: dict | None = None, faults: dict | None = None) -> dict:
+    """The environment the docs tell users to use, made hermetic: W&B offline, Hugging Face caches in
     `hf_home`, no Hub access, one math thread per process (two cores are shared by all ranks).
     `faults` switches on tests/faults/sitecustomize.py with the given FAULT_* variables.
     """
-    script = str(REPO / chapter / "train_llm.py")
-    if nproc is None:
-        cmd = [sys.executable, script, *args]
-    else:
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        cmd = [*torchrun, *torchrun_args, script, *args]
     full_env = {
         **os.environ,
         "WANDB_MODE": "offline",
@@ -51,7 +33,33 @@ def run_chapter(
     if faults:
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), full_env.get("PYTHONPATH")]))
         full_env.update({k: str(v) for k, v in faults.items()})
-    proc = subprocess.run(cmd, env=full_env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return full_env
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def run_chapter(
+    chapter: str,
+    *args: str,
+    hf_home: Path,
+    nproc: int | None = None,
+    torchrun_args: tuple = (),
+    env: dict | None = None,
+    faults: dict | None = None,
+    check: bool = True,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """Runs `chapter`/train_llm.py with `python`, or under `torchrun --standalone` when `nproc` is given."""
+    script = str(REPO / chapter / "train_llm.py")
+    if nproc is None:
+        cmd = [sys.executable, script, *args]
+    else:
+        cmd = [*torchrun("--standalone", f"--nproc-per-node={nproc}", *torchrun_args), script, *args]
+    proc = subprocess.run(
+        cmd, env=chapter_env(hf_home, env, faults), cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-5000:]}")
     return proc

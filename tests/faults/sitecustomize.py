@@ -5,6 +5,9 @@ test hooks. Each fault is chosen by an environment variable:
 FAULT_KILL_AFTER_CHECKPOINT=N   SIGKILL this process right after its N-th checkpoint is published.
 FAULT_KILL_DURING_CHECKPOINT=N  SIGKILL this process half-way through a file of its N-th checkpoint.
 FAULT_RAISE_AT_STEP=N           raise in the N-th optimizer step, on the rank FAULT_RANK (default 0).
+FAULT_KILL_AT_STEP=N            SIGKILL in the N-th optimizer step, on the rank FAULT_RANK (default 0).
+
+A fault strikes once: when torchrun restarts the workers (TORCHELASTIC_RESTART_COUNT > 0), none is armed.
 """
 
 import os
@@ -16,7 +19,10 @@ def _die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-if "FAULT_KILL_AFTER_CHECKPOINT" in os.environ:
+_first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+_this_rank = os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0")
+
+if "FAULT_KILL_AFTER_CHECKPOINT" in os.environ and _first_attempt:
     _kill_after = int(os.environ["FAULT_KILL_AFTER_CHECKPOINT"])
     _published = 0
     _replace = os.replace
@@ -31,7 +37,7 @@ if "FAULT_KILL_AFTER_CHECKPOINT" in os.environ:
 
     os.replace = _replace_then_maybe_die
 
-if "FAULT_KILL_DURING_CHECKPOINT" in os.environ:
+if "FAULT_KILL_DURING_CHECKPOINT" in os.environ and _first_attempt:
     import io
 
     import torch
@@ -55,18 +61,21 @@ if "FAULT_KILL_DURING_CHECKPOINT" in os.environ:
 
     torch.save = _save_or_die_half_way
 
-if "FAULT_RAISE_AT_STEP" in os.environ and os.environ.get("RANK", "0") == os.environ.get("FAULT_RANK", "0"):
+_step_fault = next((k for k in ["FAULT_RAISE_AT_STEP", "FAULT_KILL_AT_STEP"] if k in os.environ), None)
+if _step_fault and _first_attempt and _this_rank:
     import torch
 
-    _raise_at = int(os.environ["FAULT_RAISE_AT_STEP"])
+    _fault_step = int(os.environ[_step_fault])
     _adamw_step = torch.optim.AdamW.step
     _steps = 0
 
-    def _step_or_raise(self, *args, **kwargs):
+    def _step_or_fail(self, *args, **kwargs):
         global _steps
         _steps += 1
-        if _steps == _raise_at:
+        if _steps == _fault_step:
+            if _step_fault == "FAULT_KILL_AT_STEP":
+                _die()
             raise RuntimeError(f"injected fault at step {_steps}")
         return _adamw_step(self, *args, **kwargs)
 
-    torch.optim.AdamW.step = _step_or_raise
+    torch.optim.AdamW.step = _step_or_fail

@@ -1,0 +1,163 @@
+"""Several "nodes" on one machine: each node is its own torchrun launcher, as on a real cluster, and
+they meet through a c10d rendezvous on 127.0.0.1. The Slurm test runs a real two-node Slurm cluster."""
+
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+import slurm_cluster
+from harness import FAST_ARGS, REPO, chapter_env, losses, run_chapter, torchrun
+
+CHAPTER = "03-multi-node"
+SCRIPT = str(REPO / CHAPTER / "train_llm.py")
+STEPS = 12
+ARGS = [*FAST_ARGS, "--max-steps", str(STEPS)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_nodes(node_args: list[list[str]], hf_homes, nproc_per_node=1, torchrun_args=(), timeout=240):
+    """Starts one torchrun per node (the same command on every node, as on a cluster); waits for all."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = []
+    for args, hf_home in zip(node_args, hf_homes):
+        rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=test-job"]
+        cmd = [*torchrun(f"--nnodes={len(node_args)}", f"--nproc-per-node={nproc_per_node}", *rdzv, *torchrun_args)]
+        procs.append(
+            subprocess.Popen(
+                [*cmd, SCRIPT, *args],
+                env=chapter_env(hf_home),
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return [(p.wait(timeout=timeout), p.stderr.read()) for p in procs]
+
+
+@pytest.fixture(scope="module")
+def one_node_losses(tmp_path_factory, hf_home):
+    """The reference: chapter 02 on one node with 2 ranks."""
+    save_dir = tmp_path_factory.mktemp("one_node")
+    run_chapter("02-multi-gpu", *ARGS, "--save-dir", str(save_dir), nproc=2, hf_home=hf_home)
+    return losses(save_dir / "default")
+
+
+def test_two_nodes_match_one_node(tmp_path, hf_home, one_node_losses):
+    results = launch_nodes([[*ARGS, "--save-dir", str(tmp_path)]] * 2, [hf_home] * 2)
+    assert all(code == 0 for code, _ in results), results[0][1][-3000:] + results[1][1][-3000:]
+    two_nodes = losses(tmp_path / "default")
+    assert len(two_nodes) == STEPS
+    assert max(abs(a - b) for a, b in zip(two_nodes, one_node_losses)) <= 1e-5
+
+
+def test_node_local_cache_is_prepared_on_every_node(tmp_path):
+    """Two nodes x 2 ranks, each node with its own empty cache: on each node, local rank 0 alone
+    tokenizes, and its node's other rank then finds the cache."""
+    hf_homes = [tmp_path / "node0-hf", tmp_path / "node1-hf"]
+    node_args = [[*FAST_ARGS, "--max-steps", "2", "--node-local-cache", "--save-dir", str(tmp_path / "out")]] * 2
+    torchrun_args = ("--log-dir", str(tmp_path / "logs"), "--redirects", "3")
+    results = launch_nodes(node_args, hf_homes, nproc_per_node=2, torchrun_args=torchrun_args)
+    assert all(code == 0 for code, _ in results), results
+    # torchrun writes <log-dir>/<run id>_<random>/attempt_0/<local rank>/stderr.log, one run folder per node.
+    node_logs = sorted((tmp_path / "logs").glob("*/attempt_0"))
+    assert len(node_logs) == 2
+    for node in node_logs:
+        stderr = {int(p.parent.name): p.read_text() for p in node.glob("*/stderr.log")}
+        assert "Tokenizing" in stderr[0], stderr[0][-2000:]
+        assert "Tokenizing" not in stderr[1], stderr[1][-2000:]
+    for hf_home in hf_homes:
+        assert list((hf_home / "datasets").rglob("cache-*.arrow")), f"no tokenized cache in {hf_home}"
+
+
+def test_save_dir_not_shared_by_the_nodes_fails_clearly(tmp_path, hf_home):
+    # Node A's --save-dir holds a checkpoint, node B's is empty: resuming would split the job.
+    save_a, save_b = tmp_path / "node_a", tmp_path / "node_b"
+    run_chapter("02-multi-gpu", *FAST_ARGS, "--max-steps", "2", "--save-dir", str(save_a), nproc=2, hf_home=hf_home)
+    node_args = [[*ARGS, "--save-dir", str(save_a)], [*ARGS, "--save-dir", str(save_b)]]
+    results = launch_nodes(node_args, [hf_home] * 2)
+    assert all(code != 0 for code, _ in results)
+    stderr = results[0][1] + results[1][1]
+    assert "--save-dir must be one folder shared by all nodes" in stderr
+    assert not save_b.exists()
+
+
+def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path, hf_home, one_node_losses):
+    # Rank 1 is SIGKILLed in step 7, after the checkpoint of step 4: torchrun restarts both workers.
+    proc = run_chapter(
+        CHAPTER,
+        *ARGS,
+        "--ckpt-freq", "4",
+        "--save-dir", str(tmp_path),
+        nproc=2,
+        torchrun_args=("--max-restarts", "1"),
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},  # see launch.sbatch
+        faults={"FAULT_KILL_AT_STEP": 7, "FAULT_RANK": 1},
+        hf_home=hf_home,
+    )
+    assert "failed (exitcode: -9) local_rank: 1" in proc.stderr
+    assert "Workers restarted 1 time(s): resuming" in proc.stderr
+    assert "Resumed from" in proc.stderr and "step-00000004 at step 4" in proc.stderr
+    assert losses(tmp_path / "default") == one_node_losses
+
+
+def test_missing_node_fails_at_the_rendezvous_timeout(tmp_path, hf_home):
+    join_timeout = 10
+    start = time.time()
+    proc = subprocess.run(
+        [
+            *torchrun("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"),
+            f"--rdzv-conf=join_timeout={join_timeout}",
+            SCRIPT,
+            "--save-dir", str(tmp_path / "out"),
+        ],
+        env=chapter_env(hf_home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert time.time() - start < join_timeout + 30
+    assert "RendezvousTimeoutError" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    reason = slurm_cluster.missing()
+    if reason:
+        pytest.skip(f"no Slurm cluster: {reason}")
+    cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    yield cluster
+    cluster.stop()
+
+
+def test_slurm_job_matches_one_node(tmp_path, hf_home, slurm, one_node_losses):
+    # launch.sbatch runs `03-multi-node/train_llm.py` relative to the submission folder (the repo
+    # root for users); a scratch folder with the chapter linked in keeps job files out of the repo.
+    (tmp_path / CHAPTER).symlink_to(REPO / CHAPTER)
+    env = {**chapter_env(hf_home), "NPROC_PER_NODE": "1"}
+    start = time.time()
+    job = slurm.sbatch(
+        "--time=5",
+        f"{CHAPTER}/launch.sbatch",
+        *ARGS,
+        "--save-dir", str(tmp_path / "out"),
+        cwd=tmp_path,
+        env=env,
+    )
+    state = slurm.wait(job, timeout=300)
+    job_output = (tmp_path / f"train-llm-{job}.out").read_text()
+    node_logs = sorted((tmp_path / "logs" / f"train-llm-{job}").glob("*.log"))
+    assert state == "COMPLETED", job_output + "".join(p.read_text()[-3000:] for p in node_logs)
+    print(f"Slurm job took {time.time() - start:.1f} s")
+    assert "2 nodes (node[1-2])" in job_output
+    assert [p.name.split("-")[0] for p in node_logs] == ["0", "1"], "one log per node"
+    assert losses(tmp_path / "out" / "default") == one_node_losses
