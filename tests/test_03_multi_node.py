@@ -161,3 +161,21 @@ def test_slurm_job_matches_one_node(tmp_path, hf_home, slurm, one_node_losses):
     assert "2 nodes (node[1-2])" in job_output
     assert [p.name.split("-")[0] for p in node_logs] == ["0", "1"], "one log per node"
     assert losses(tmp_path / "out" / "default") == one_node_losses
+
+
+def test_ssh_launcher_matches_one_node(tmp_path, hf_home, one_node_losses):
+    # Two "hosts" that are both this machine; tests/fake_ssh/ssh runs each host's command locally.
+    (tmp_path / "hosts.txt").write_text("# head node first\n127.0.0.1\nlocalhost\n")
+    env = chapter_env(hf_home, {"NPROC_PER_NODE": "1", "RDZV_PORT": str(free_port())})
+    env["PATH"] = f"{REPO / 'tests' / 'fake_ssh'}:{env['PATH']}"
+    proc = subprocess.run(
+        [str(REPO / CHAPTER / "launch_ssh.sh"), str(tmp_path / "hosts.txt"), *ARGS, "--save-dir", str(tmp_path / "out")],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "[127.0.0.1] " in proc.stdout and "[localhost] " in proc.stdout
+    assert losses(tmp_path / "out" / "default") == one_node_losses
