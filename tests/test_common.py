@@ -1,4 +1,6 @@
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -71,3 +73,13 @@ def test_diff_command():
 def test_diff_command_unknown_chapter():
     proc = subprocess.run([sys.executable, "-m", "common.diff", "01", "42"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode != 0 and "no chapter '42'" in proc.stderr
+
+
+def test_benchmark_command(tmp_path):
+    cmd = [sys.executable, "-m", "common.benchmark", "01", "--steps", "30", "--", "--batch-size", "2"]
+    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "01-single-gpu, 1 process(es) on CPU" in proc.stdout
+    assert re.search(r"tokens/s +[\d,]+ \(median of 1 log intervals\)", proc.stdout), proc.stdout
+    assert re.search(r"peak_rss_gib +\d+\.\d\d GiB", proc.stdout), proc.stdout

@@ -1,0 +1,60 @@
+"""Measures a chapter: tokens/s, MFU (on GPUs the peak is known for) and peak memory.
+
+    python -m common.benchmark 01 --steps 200
+    python -m common.benchmark 02 --nproc 2 --steps 200 -- --batch-size 4
+    python -m common.benchmark 02 --nproc gpu -- --model-name meta-llama/Llama-3.2-1B --seq-length 2048
+
+Runs the chapter's train_llm.py as users do (`python`, or `torchrun --standalone` with --nproc), into
+a temporary folder with wandb disabled, then summarizes its metrics.jsonl. The first two log
+intervals are left out: they hold torch.compile's warm-up and the allocator's first growth.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from common.diff import chapter
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("chapter", help="chapter number, e.g. 01")
+    parser.add_argument("--nproc", help="processes per node for torchrun (a number, or gpu); none runs python")
+    parser.add_argument("--steps", type=int, default=200)
+    # Everything after -- goes to train_llm.py unparsed.
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, train_args = parser.parse_args(argv[:split]), argv[split + 1 :]
+
+    script = chapter(args.chapter) / "train_llm.py"
+    launcher = [sys.executable]
+    if args.nproc:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+    with tempfile.TemporaryDirectory() as save_dir:
+        train = [str(script), "--save-dir", save_dir, "--max-steps", str(args.steps), "--log-freq", "10"]
+        subprocess.run([*launcher, *train, *train_args], env={**os.environ, "WANDB_MODE": "disabled"}, check=True)
+        records = [json.loads(line) for line in next(Path(save_dir).glob("*/metrics.jsonl")).read_text().splitlines()]
+
+    measured = records[2:] or records
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    print(f"\n{script.parent.name}, {args.nproc or 1} process(es) on {device}, steps {measured[0]['step']}-{measured[-1]['step']}:")
+    print(f"  tokens/s      {statistics.median(r['tokens_per_s'] for r in measured):,.0f} (median of {len(measured)} log intervals)")
+    if "mfu" in measured[-1]:
+        print(f"  MFU           {statistics.median(r['mfu'] for r in measured):.1%}")
+    for key in sorted(k for k in measured[-1] if k.startswith("memory/peak")):
+        print(f"  {key.removeprefix('memory/'):<13} {max(r[key] for r in measured):.2f} GiB (rank 0)")
+    for key in sorted(k for k in measured[-1] if k.startswith("time/")):
+        print(f"  {key.removeprefix('time/'):<13} {statistics.median(r[key] for r in measured):.1f} (median)")
+    print(f"  final loss    {measured[-1]['loss']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
