@@ -22,3 +22,21 @@ from common.utils import (
 # loaded through the same calls as a Hub name (see common/make_tiny_default.py).
 DEFAULT_MODEL = str(Path(__file__).parent / "tiny_llama")
 DEFAULT_DATASET = str(Path(__file__).parent / "tiny_tasks")
+
+__all__ = [
+    "DEFAULT_DATASET",
+    "DEFAULT_MODEL",
+    "PhaseTimers",
+    "append_jsonl",
+    "checkpoint_dir",
+    "flops_per_token",
+    "latest_checkpoint",
+    "load_and_pack",
+    "memory_stats",
+    "peak_bf16_flops",
+    "positive_int",
+    "publish_checkpoint",
+    "rank0_first",
+    "setup_logging",
+    "wandb_mode",
+]

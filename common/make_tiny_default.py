@@ -6,7 +6,6 @@ README.md, no weights). Deterministic: rerunning gives byte-identical files. Rer
     python -m common.make_tiny_default
 """
 
-import json
 import random
 from pathlib import Path
 

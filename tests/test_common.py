@@ -4,7 +4,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 from harness import REPO
 
 from common import DEFAULT_MODEL, latest_checkpoint, load_and_pack, publish_checkpoint
