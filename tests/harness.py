@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,12 @@ def chapter_env(hf_home: Path, env: dict | None = None, faults: dict | None = No
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), full_env.get("PYTHONPATH")]))
         full_env.update({k: str(v) for k, v in faults.items()})
     return full_env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def torchrun(*args: str) -> list[str]:

@@ -11,6 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from harness import free_port
+
 MUNGE_SOCKET_DIR = Path("/run/munge")
 
 
@@ -22,12 +24,6 @@ def missing() -> str | None:
     if os.geteuid() != 0:
         return "starting munged and slurmd needs root"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tool(name: str) -> str:
@@ -47,11 +43,11 @@ class SlurmCluster:
     def start(self) -> "SlurmCluster":
         host = socket.gethostname()
         (self.root / "state").mkdir(parents=True)
-        node_ports = [_free_port() for _ in self.NODES]
+        node_ports = [free_port() for _ in self.NODES]
         self.conf.write_text(
             f"""ClusterName=testcluster
 SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={_free_port()}
+SlurmctldPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

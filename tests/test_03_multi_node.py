@@ -2,24 +2,17 @@
 they meet through a c10d rendezvous on 127.0.0.1. The Slurm test runs a real two-node Slurm cluster."""
 
 import shutil
-import socket
 import subprocess
 import time
 
 import pytest
 import slurm_cluster
-from harness import FAST_ARGS, REPO, chapter_env, losses, run_chapter, torchrun
+from harness import FAST_ARGS, REPO, chapter_env, free_port, losses, run_chapter, torchrun
 
 CHAPTER = "03-multi-node"
 SCRIPT = str(REPO / CHAPTER / "train_llm.py")
 STEPS = 12
 ARGS = [*FAST_ARGS, "--max-steps", str(STEPS)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_nodes(node_args: list[list[str]], hf_homes, nproc_per_node=1, torchrun_args=(), timeout=240):
@@ -43,11 +36,16 @@ def launch_nodes(node_args: list[list[str]], hf_homes, nproc_per_node=1, torchru
 
 
 @pytest.fixture(scope="module")
-def one_node_losses(tmp_path_factory, hf_home):
+def one_node_run(tmp_path_factory, hf_home):
     """The reference: chapter 02 on one node with 2 ranks."""
     save_dir = tmp_path_factory.mktemp("one_node")
     run_chapter("02-multi-gpu", *ARGS, "--save-dir", str(save_dir), nproc=2, hf_home=hf_home)
-    return losses(save_dir / "default")
+    return save_dir / "default"
+
+
+@pytest.fixture(scope="module")
+def one_node_losses(one_node_run):
+    return losses(one_node_run)
 
 
 def test_two_nodes_match_one_node(tmp_path, hf_home, one_node_losses):
@@ -77,10 +75,10 @@ def test_node_local_cache_is_prepared_on_every_node(tmp_path):
         assert list((hf_home / "datasets").rglob("cache-*.arrow")), f"no tokenized cache in {hf_home}"
 
 
-def test_save_dir_not_shared_by_the_nodes_fails_clearly(tmp_path, hf_home):
+def test_save_dir_not_shared_by_the_nodes_fails_clearly(tmp_path, hf_home, one_node_run):
     # Node A's --save-dir holds a checkpoint, node B's is empty: resuming would split the job.
     save_a, save_b = tmp_path / "node_a", tmp_path / "node_b"
-    run_chapter("02-multi-gpu", *FAST_ARGS, "--max-steps", "2", "--save-dir", str(save_a), nproc=2, hf_home=hf_home)
+    shutil.copytree(one_node_run, save_a / "default")
     node_args = [[*ARGS, "--save-dir", str(save_a)], [*ARGS, "--save-dir", str(save_b)]]
     results = launch_nodes(node_args, [hf_home] * 2)
     assert all(code != 0 for code, _ in results)
