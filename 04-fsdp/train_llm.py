@@ -1,0 +1,425 @@
+"""Chapter 04: fully sharded data parallel (FSDP2): weights, gradients and optimizer state sharded.
+
+    torchrun --standalone --nproc-per-node gpu 04-fsdp/train_llm.py
+
+With no arguments it trains a tiny Llama on a small task dataset, both shipped in common/.
+Rerunning the same command resumes from the last checkpoint in --save-dir/--experiment-name.
+"""
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import tqdm
+import wandb
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from common import (
+    DEFAULT_DATASET,
+    DEFAULT_MODEL,
+    PhaseTimers,
+    append_jsonl,
+    checkpoint_dir,
+    flops_per_token,
+    latest_checkpoint,
+    load_and_pack,
+    memory_stats,
+    peak_bf16_flops,
+    positive_int,
+    publish_checkpoint,
+    rank0_first,
+    setup_logging,
+    wandb_mode,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@record  # a failing rank writes its traceback to TORCHELASTIC_ERROR_FILE, which torchrun reports
+def main():
+    args = get_parser().parse_args()
+    # torchrun starts one process per GPU and tells each who it is.
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    # Rank 0 speaks for the job; the others only report warnings and errors. Across nodes, the
+    # host name says where a rank runs: ranks are not assigned in the order of a host list.
+    setup_logging(prefix=f"[{socket.gethostname()} rank={rank}] ", level=logging.INFO if rank == 0 else logging.WARNING)
+    logger.info(args)
+    # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        logger.warning(f"Workers restarted {os.environ['TORCHELASTIC_RESTART_COUNT']} time(s): resuming")
+
+    # A collective that waits longer than the timeout fails instead of hanging forever.
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timedelta(minutes=args.dist_timeout), device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
+    # fp32 weights and optimizer state; matmuls in bf16 on GPU (FSDP's mixed precision), fp32 on CPU.
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    use_compile = args.compile if args.compile is not None else device.type == "cuda"
+    if args.cpu_offload and device.type != "cuda":
+        raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
+    # All ranks in one dimension: every rank holds 1/world_size of every sharded tensor.
+    mesh = init_device_mesh(device.type, (world_size,))
+
+    # Everything that can fail on bad input happens before anything is written.
+    try:
+        with rank0_first(local=args.node_local_cache):
+            config = AutoConfig.from_pretrained(args.model_name)
+            tokenizer = AutoTokenizer.from_pretrained(args.model_name)
+    except OSError as err:
+        raise SystemExit(f"error: --model-name {args.model_name!r}: {str(err).splitlines()[0]}") from err
+    if args.seq_length > config.max_position_embeddings:
+        raise SystemExit(
+            f"error: --seq-length {args.seq_length} is longer than the model's "
+            f"max_position_embeddings ({config.max_position_embeddings}); pass a smaller --seq-length"
+        )
+
+    with rank0_first(local=args.node_local_cache):
+        train_data = load_and_pack(args.dataset_name, tokenizer, args.seq_length)
+    # --batch-size is per rank: each step trains on world_size * batch_size rows.
+    steps_per_epoch = len(train_data) // (args.batch_size * world_size)
+    if steps_per_epoch == 0:
+        raise SystemExit(
+            f"error: --batch-size {args.batch_size} on {world_size} ranks is larger than the dataset "
+            f"({len(train_data)} rows of {args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
+        )
+    total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
+    logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
+
+    # Only rank 0 ever holds the whole model, and only on the CPU: built there as in the chapters
+    # before (so the same seed gives the same weights), or loaded with --from-pretrained.
+    torch.manual_seed(args.seed)
+    full_model = None
+    if rank == 0 and args.from_pretrained:
+        try:
+            full_model = AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
+        except OSError as err:
+            raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
+    elif rank == 0:
+        full_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Every rank builds the structure on the meta device (shapes, no memory), shards it, and
+    # allocates only its own shards on its device.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if args.activation_checkpointing:
+        # Each block keeps only its input; its activations are recomputed during backward.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
+    apply_fsdp(model, mesh, mp_policy, offload_policy)
+    model.to_empty(device="cpu" if args.cpu_offload else device)
+    # Rank 0's full weights, sent tensor by tensor into every rank's shards.
+    set_model_state_dict(
+        model,
+        full_model.state_dict() if rank == 0 else {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    # Buffers outside the state dict (Llama's rotary frequencies) are not sent: copy them too.
+    for name, buffer in model.named_buffers():
+        if rank == 0:
+            buffer.copy_(full_model.get_buffer(name))
+        dist.broadcast(buffer, src=0)
+    del full_model
+    num_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its full size
+    logger.info(f"{num_params:,} parameters, sharded over {world_size} ranks")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda" and not args.cpu_offload)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup_steps, total_steps))
+
+    exp_dir = Path(args.save_dir) / args.experiment_name
+    global_batch_size = world_size * args.batch_size
+    state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "global_batch_size": global_batch_size}
+    checkpoint = latest_checkpoint(exp_dir)
+    # Every rank must resume from the same step. A --save-dir on each node's own disk would let
+    # the ranks of other nodes silently start over: check against what rank 0 sees.
+    rank0_checkpoint = [checkpoint]
+    dist.broadcast_object_list(rank0_checkpoint, src=0)
+    if checkpoint != rank0_checkpoint[0]:
+        raise SystemExit(
+            f"error: rank {rank} on {socket.gethostname()} finds checkpoint {checkpoint}, rank 0 finds "
+            f"{rank0_checkpoint[0]}: --save-dir must be one folder shared by all nodes"
+        )
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
+        # Another number of ranks can resume (DCP reshards), but the data position counts global
+        # batches: the global batch must stay the same.
+        if state["global_batch_size"] != global_batch_size:
+            raise SystemExit(
+                f"error: {checkpoint} was trained with a global batch of {state['global_batch_size']} rows; "
+                f"--batch-size {args.batch_size} on {world_size} ranks gives {global_batch_size}"
+            )
+        logger.info(f"Resumed from {checkpoint} at step {state['global_step']}")
+
+    # Each block compiled on its own: FSDP's hooks between blocks stay outside the compiled code.
+    if use_compile:
+        for block in transformer_blocks(model):
+            block.compile()
+
+    # One wandb run per rank (each rank's timings and memory are its own), grouped by experiment.
+    # Every rank can name its run without talking to the others: the ids come from the name.
+    wandb_dir = exp_dir / f"rank-{rank}"
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    wandb.init(
+        dir=wandb_dir,
+        id=f"{args.experiment_name}-{rank}",
+        name=f"rank-{rank}",
+        group=args.experiment_name,
+        resume="allow",
+        config=vars(args),
+        mode=wandb_mode(),
+    )
+
+    tokens_per_step = world_size * args.batch_size * args.seq_length
+    # The input embedding is a lookup, not a matmul: it costs no FLOPs.
+    flops_per_step = tokens_per_step * flops_per_token(
+        config, num_params - model.get_input_embeddings().weight.numel(), args.seq_length
+    )
+    peak_flops = peak_bf16_flops(device)
+    timers = PhaseTimers(device)
+    progress = tqdm.tqdm(
+        total=total_steps, initial=state["global_step"], desc="training", dynamic_ncols=True, disable=rank != 0
+    )
+    running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
+
+    model.train()
+    while state["global_step"] < total_steps:
+        # Each rank takes every world_size-th row of the same permutation: disjoint slices of one
+        # global batch, the same rows chapter 01 trains on with a world_size times larger batch.
+        sampler = DistributedSampler(train_data, shuffle=True, seed=args.seed, drop_last=True)
+        sampler.set_epoch(state["epoch"])
+        # On resume, the batches this epoch already trained on are skipped by index, never loaded.
+        indices = list(sampler)[state["epoch_step"] * args.batch_size :]
+        dataloader = DataLoader(
+            train_data, sampler=indices, batch_size=args.batch_size, drop_last=True, pin_memory=device.type == "cuda"
+        )
+        batches = iter(dataloader)
+
+        for _ in range(min(len(dataloader), total_steps - state["global_step"])):
+            with timers("data"):
+                batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+
+            with timers("forward"):
+                loss = model(**batch).loss
+
+            with timers("backward"):
+                loss.backward()
+
+            with timers("optimizer"):
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            state["global_step"] += 1
+            state["epoch_step"] += 1
+            progress.update()
+            # Accumulated on the device: calling .item() every step would wait for the GPU every step.
+            running_loss += loss.detach()
+            steps_since_log += 1
+
+            if state["global_step"] % args.log_freq == 0 or state["global_step"] == total_steps:
+                # Each rank saw other rows: the job's loss is the mean over ranks.
+                dist.all_reduce(running_loss, op=dist.ReduceOp.SUM)
+                elapsed = time.perf_counter() - log_start
+                metrics = {
+                    "step": state["global_step"],
+                    "epoch": state["epoch"],
+                    "loss": running_loss.item() / steps_since_log / world_size,
+                    "lr": lr_scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm.item(),
+                    "tokens_per_s": steps_since_log * tokens_per_step / elapsed,
+                    **timers.summary(),
+                    **memory_stats(device),
+                    **shard_memory(model, optimizer),
+                }
+                if peak_flops:
+                    metrics["mfu"] = steps_since_log * flops_per_step / elapsed / (world_size * peak_flops)
+                if rank == 0:
+                    append_jsonl(exp_dir / "metrics.jsonl", metrics)
+                wandb.log(metrics, step=state["global_step"])
+                progress.set_postfix(loss=f"{metrics['loss']:.3f}", tokens_per_s=f"{metrics['tokens_per_s']:.0f}")
+                running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
+
+            if state["global_step"] % args.ckpt_freq == 0 or state["global_step"] == total_steps:
+                # Every rank writes its own shards; rank 0 adds the rest and publishes the checkpoint.
+                save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, rank)
+                log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
+
+        if state["epoch_step"] == steps_per_epoch:
+            state["epoch"] += 1
+            state["epoch_step"] = 0
+
+    progress.close()
+    if args.export_hf:
+        export_hf(model, config, tokenizer, args.export_hf, rank)
+    wandb.finish()
+    logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
+    dist.destroy_process_group()
+
+
+def transformer_blocks(model) -> list[torch.nn.Module]:
+    """The repeated blocks, found by the class names HF lists in `_no_split_modules` (LlamaDecoderLayer, ...)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def apply_fsdp(model, mesh, mp_policy, offload_policy):
+    """Shards each transformer block, then the root (embeddings, final norm, output head).
+
+    A block is the unit of communication: its weights are all-gathered just before its forward and
+    backward and freed right after, and its gradients reduce-scattered as soon as they are ready.
+    """
+    blocks = transformer_blocks(model)
+    if not blocks:
+        raise SystemExit(
+            f"error: --model-name {model.config.name_or_path!r}: no transformer blocks found to shard "
+            f"(the model's _no_split_modules names none)"
+        )
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+
+
+def shard_memory(model, optimizer) -> dict:
+    """This rank's share of the weights and of AdamW's moments (the gradients match the weights)."""
+    gib = 2**30
+    params = sum(p.to_local().nbytes for p in model.parameters())
+    moments = sum(v.to_local().nbytes for s in optimizer.state.values() for v in s.values() if isinstance(v, DTensor))
+    return {"memory/params_gib": params / gib, "memory/optimizer_gib": moments / gib}
+
+
+def export_hf(model, config, tokenizer, folder, rank):
+    """Writes a folder that `from_pretrained` loads: the full weights, gathered onto rank 0's CPU."""
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        with torch.device("meta"):
+            export_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        export_model.load_state_dict(full_state, assign=True)
+        export_model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        logger.info(f"Exported the model to {folder}")
+    dist.barrier()
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int):
+    """LR multiplier: linear warmup to 1, then cosine decay to 0.1 at the last step."""
+
+    def lr_factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return lr_factor
+
+
+def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, rank):
+    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position."""
+    final_dir = checkpoint_dir(exp_dir, state["global_step"])
+    # Written under a temporary name and renamed when complete: a crash mid-save leaves no
+    # checkpoint that resume would trust.
+    tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        tmp_dir.mkdir(parents=True)
+    dist.barrier()
+    # Every rank writes its own shards, in parallel, and DCP records where each shard sits in the
+    # full tensor: a job with another number of ranks can load them, resharded.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp_dir)
+    if rank == 0:
+        torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
+        # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
+        rng = {"cpu": torch.get_rng_state()}
+        if device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(device)
+        torch.save(rng, tmp_dir / "rng.pt")
+        (tmp_dir / "state.json").write_text(json.dumps(state))
+        publish_checkpoint(tmp_dir, final_dir)
+        logger.info(f"Saved {final_dir}")
+    # No rank runs ahead (and may crash) before the checkpoint is complete.
+    dist.barrier()
+
+
+def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
+    try:
+        # DCP loads in place into this run's shards, whatever the number of ranks that saved them.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        shards = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(shards, checkpoint_id=checkpoint)
+        set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
+        lr_scheduler.load_state_dict(torch.load(checkpoint / "lr_scheduler.pt"))
+        rng = torch.load(checkpoint / "rng.pt")
+        state = json.loads((checkpoint / "state.json").read_text())
+    except Exception as err:
+        raise SystemExit(
+            f"error: checkpoint {checkpoint} cannot be loaded ({type(err).__name__}: {str(err).splitlines()[0]}); "
+            "remove it to start the experiment over, or pass a new --experiment-name"
+        ) from err
+    torch.set_rng_state(rng["cpu"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)
+    return state
+
+
+def get_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experiment-name", default="default", help="run folder under --save-dir")
+    parser.add_argument("--save-dir", default="outputs")
+    parser.add_argument("--model-name", default=DEFAULT_MODEL, help="Hub model name or local folder")
+    parser.add_argument("--dataset-name", default=DEFAULT_DATASET, help="Hub dataset name or local folder")
+    parser.add_argument("--from-pretrained", action="store_true", help="load the model's weights, not just its config")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-epochs", type=positive_int, default=1)
+    parser.add_argument("--max-steps", type=positive_int, help="stop after this many steps (default: all epochs)")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--seq-length", type=positive_int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup-steps", type=int, default=50)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="compute dtype (default: bf16 on GPU)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (default: on GPU)")
+    parser.add_argument("--log-freq", type=positive_int, default=10)
+    parser.add_argument("--ckpt-freq", type=positive_int, default=200)
+    parser.add_argument(
+        "--dist-timeout", type=float, default=10, help="minutes a collective may wait before the job fails"
+    )
+    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    parser.add_argument("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
+    parser.add_argument("--export-hf", help="at the end, write the model and tokenizer here for from_pretrained")
+    parser.add_argument(
+        "--node-local-cache",
+        action="store_true",
+        help="HF_HOME is on each node's own disk: local rank 0 of every node prepares the data",
+    )
+    return parser
+
+
+if __name__ == "__main__":
+    main()
