@@ -294,7 +294,8 @@ def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
 
 def get_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--experiment-name", default="default", help="run folder under --save-dir")
+    # One folder per chapter by default, so running the chapters one after another never mixes runs.
+    parser.add_argument("--experiment-name", default=Path(__file__).parent.name, help="run folder under --save-dir")
     parser.add_argument("--save-dir", default="outputs")
     parser.add_argument("--model-name", default=DEFAULT_MODEL, help="Hub model name or local folder")
     parser.add_argument("--dataset-name", default=DEFAULT_DATASET, help="Hub dataset name or local folder")

@@ -12,14 +12,14 @@ STEPS = 12
 def test_default_run_learns(tmp_path, hf_home):
     # The default settings, cut short: the tiny model must learn the task data quickly.
     run_chapter(CHAPTER, "--save-dir", str(tmp_path), "--max-steps", "60", "--log-freq", "5", hf_home=hf_home)
-    metrics = read_metrics(tmp_path / "default")
+    metrics = read_metrics(tmp_path / CHAPTER)
     first, last = metrics[5]["loss"], metrics[60]["loss"]
     assert abs(first - UNIFORM_LOSS) < 0.3, f"a fresh model should guess uniformly: {first} vs {UNIFORM_LOSS}"
     assert last < 0.5 * UNIFORM_LOSS, f"loss {last} did not fall well below ln({VOCAB_SIZE}) = {UNIFORM_LOSS:.2f}"
     assert metrics[60]["tokens_per_s"] > 0 and metrics[60]["memory/peak_rss_gib"] > 0
     assert {"time/data_ms", "time/forward_ms", "time/backward_ms", "time/optimizer_ms"} <= metrics[60].keys()
-    assert (tmp_path / "default" / "checkpoints" / "step-00000060" / "model.pt").exists()
-    assert list((tmp_path / "default" / "wandb").glob("offline-run-*")), "wandb should log offline"
+    assert (tmp_path / CHAPTER / "checkpoints" / "step-00000060" / "model.pt").exists()
+    assert list((tmp_path / CHAPTER / "wandb").glob("offline-run-*")), "wandb should log offline"
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def straight_run(tmp_path_factory, hf_home):
     """The reference: STEPS steps without interruption. Tests that change its folder take a copy."""
     save_dir = tmp_path_factory.mktemp("straight")
     run_chapter(CHAPTER, *FAST_ARGS, "--max-steps", str(STEPS), "--save-dir", str(save_dir), hf_home=hf_home)
-    return save_dir / "default"
+    return save_dir / CHAPTER
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_exact_resume_after_kill(tmp_path, hf_home, straight_losses):
     args = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", str(STEPS // 2), "--save-dir", str(tmp_path)]
     killed = run_chapter(CHAPTER, *args, hf_home=hf_home, faults={"FAULT_KILL_AFTER_CHECKPOINT": 1}, check=False)
     assert killed.returncode == -9, killed.stderr[-2000:]
-    exp_dir = tmp_path / "default"
+    exp_dir = tmp_path / CHAPTER
     assert max(read_metrics(exp_dir)) == STEPS // 2
 
     resumed = run_chapter(CHAPTER, *args, hf_home=hf_home)
@@ -51,22 +51,22 @@ def test_kill_while_saving_resumes_from_previous_checkpoint(tmp_path, hf_home, s
     args = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", "4", "--save-dir", str(tmp_path)]
     killed = run_chapter(CHAPTER, *args, hf_home=hf_home, faults={"FAULT_KILL_DURING_CHECKPOINT": 2}, check=False)
     assert killed.returncode == -9, killed.stderr[-2000:]
-    checkpoints = tmp_path / "default" / "checkpoints"
+    checkpoints = tmp_path / CHAPTER / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004", "step-00000008.tmp"]
 
     resumed = run_chapter(CHAPTER, *args, hf_home=hf_home)
     assert "at step 4" in resumed.stderr
-    assert losses(tmp_path / "default") == straight_losses
+    assert losses(tmp_path / CHAPTER) == straight_losses
     assert sorted(p.name for p in checkpoints.iterdir()) == [f"step-{STEPS:08d}"], "stale saves are cleaned up"
 
 
 def test_rerunning_a_finished_run_does_nothing(tmp_path, hf_home, straight_run):
-    shutil.copytree(straight_run, tmp_path / "default")
-    before = (tmp_path / "default" / "metrics.jsonl").read_text()
+    shutil.copytree(straight_run, tmp_path / CHAPTER)
+    before = (tmp_path / CHAPTER / "metrics.jsonl").read_text()
     args = [*FAST_ARGS, "--max-steps", str(STEPS), "--save-dir", str(tmp_path)]
     rerun = run_chapter(CHAPTER, *args, hf_home=hf_home)
     assert "Resumed from" in rerun.stderr and f"Done: {STEPS} steps" in rerun.stderr
-    assert (tmp_path / "default" / "metrics.jsonl").read_text() == before
+    assert (tmp_path / CHAPTER / "metrics.jsonl").read_text() == before
 
 
 def _json_folder_without_text(tmp_path):
@@ -100,7 +100,7 @@ def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, hf_home, args, fla
 
 
 def test_corrupt_checkpoint_fails_clearly_and_writes_nothing(tmp_path, hf_home, straight_run):
-    exp_dir = tmp_path / "default"
+    exp_dir = tmp_path / CHAPTER
     shutil.copytree(straight_run, exp_dir)
     model_file = exp_dir / "checkpoints" / f"step-{STEPS:08d}" / "model.pt"
     model_file.write_bytes(model_file.read_bytes()[:1000])
@@ -121,7 +121,7 @@ def test_local_dataset_folder(tmp_path, hf_home):
     (folder / "train.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
     args = ["--dataset-name", str(folder), "--batch-size", "2", "--seq-length", "32", "--max-steps", "3"]
     run_chapter(CHAPTER, *args, "--log-freq", "1", "--save-dir", str(tmp_path / "out"), hf_home=hf_home)
-    assert all(math.isfinite(loss) for loss in losses(tmp_path / "out" / "default"))
+    assert all(math.isfinite(loss) for loss in losses(tmp_path / "out" / CHAPTER))
 
 
 def test_from_pretrained_loads_the_weights(tmp_path, hf_home):
@@ -140,4 +140,4 @@ def test_from_pretrained_loads_the_weights(tmp_path, hf_home):
 
     args = ["--model-name", str(model_dir), "--from-pretrained", "--max-steps", "1", "--log-freq", "1"]
     run_chapter(CHAPTER, *args, "--save-dir", str(tmp_path / "out"), hf_home=hf_home)
-    assert losses(tmp_path / "out" / "default")[0] == pytest.approx(UNIFORM_LOSS, abs=1e-5)
+    assert losses(tmp_path / "out" / CHAPTER)[0] == pytest.approx(UNIFORM_LOSS, abs=1e-5)

@@ -23,7 +23,7 @@ def test_matches_chapter_01_with_the_same_global_batch(tmp_path, hf_home, straig
     # 2 ranks x 4 rows per step are the same 8 rows per step that chapter 01 trains on.
     args = [*FAST_ARGS, "--batch-size", str(4 * RANKS), "--max-steps", str(STEPS), "--save-dir", str(tmp_path)]
     run_chapter("01-single-gpu", *args, hf_home=hf_home)
-    single, ddp = losses(tmp_path / "default"), losses(straight_run)
+    single, ddp = losses(tmp_path / "01-single-gpu"), losses(straight_run)
     assert len(ddp) == STEPS >= 10
     assert max(abs(a - b) for a, b in zip(single, ddp)) <= 1e-5, (single, ddp)
 

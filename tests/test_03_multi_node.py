@@ -40,7 +40,7 @@ def one_node_run(tmp_path_factory, hf_home):
     """The reference: chapter 02 on one node with 2 ranks."""
     save_dir = tmp_path_factory.mktemp("one_node")
     run_chapter("02-multi-gpu", *ARGS, "--save-dir", str(save_dir), nproc=2, hf_home=hf_home)
-    return save_dir / "default"
+    return save_dir / "02-multi-gpu"
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def one_node_losses(one_node_run):
 def test_two_nodes_match_one_node(tmp_path, hf_home, one_node_losses):
     results = launch_nodes([[*ARGS, "--save-dir", str(tmp_path)]] * 2, [hf_home] * 2)
     assert all(code == 0 for code, _ in results), results[0][1][-3000:] + results[1][1][-3000:]
-    two_nodes = losses(tmp_path / "default")
+    two_nodes = losses(tmp_path / CHAPTER)
     assert len(two_nodes) == STEPS
     assert max(abs(a - b) for a, b in zip(two_nodes, one_node_losses)) <= 1e-5
 
@@ -78,7 +78,7 @@ def test_node_local_cache_is_prepared_on_every_node(tmp_path):
 def test_save_dir_not_shared_by_the_nodes_fails_clearly(tmp_path, hf_home, one_node_run):
     # Node A's --save-dir holds a checkpoint, node B's is empty: resuming would split the job.
     save_a, save_b = tmp_path / "node_a", tmp_path / "node_b"
-    shutil.copytree(one_node_run, save_a / "default")
+    shutil.copytree(one_node_run, save_a / CHAPTER)
     node_args = [[*ARGS, "--save-dir", str(save_a)], [*ARGS, "--save-dir", str(save_b)]]
     results = launch_nodes(node_args, [hf_home] * 2)
     assert all(code != 0 for code, _ in results)
@@ -103,7 +103,7 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path, hf_home, one
     assert "failed (exitcode: -9) local_rank: 1" in proc.stderr
     assert "Workers restarted 1 time(s): resuming" in proc.stderr
     assert "Resumed from" in proc.stderr and "step-00000004 at step 4" in proc.stderr
-    assert losses(tmp_path / "default") == one_node_losses
+    assert losses(tmp_path / CHAPTER) == one_node_losses
 
 
 def test_missing_node_fails_at_the_rendezvous_timeout(tmp_path, hf_home):
@@ -158,7 +158,7 @@ def test_slurm_job_matches_one_node(tmp_path, hf_home, slurm, one_node_losses):
     print(f"Slurm job took {time.time() - start:.1f} s")
     assert "2 nodes (node[1-2])" in job_output
     assert [p.name.split("-")[0] for p in node_logs] == ["0", "1"], "one log per node"
-    assert losses(tmp_path / "out" / "default") == one_node_losses
+    assert losses(tmp_path / "out" / CHAPTER) == one_node_losses
 
 
 def test_ssh_launcher_matches_one_node(tmp_path, hf_home, one_node_losses):
@@ -176,4 +176,4 @@ def test_ssh_launcher_matches_one_node(tmp_path, hf_home, one_node_losses):
     )
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "[127.0.0.1] " in proc.stdout and "[localhost] " in proc.stdout
-    assert losses(tmp_path / "out" / "default") == one_node_losses
+    assert losses(tmp_path / "out" / CHAPTER) == one_node_losses

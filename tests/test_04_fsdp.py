@@ -15,7 +15,7 @@ def ddp_run(tmp_path_factory, hf_home):
     """The reference: chapter 03 (DDP) on 2 ranks."""
     save_dir = tmp_path_factory.mktemp("ddp")
     run_chapter("03-multi-node", *ARGS, "--save-dir", str(save_dir), nproc=2, hf_home=hf_home)
-    return save_dir / "default"
+    return save_dir / "03-multi-node"
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def fsdp_run(tmp_path_factory, hf_home):
 
 
 def test_matches_ddp(ddp_run, fsdp_run):
-    ddp, fsdp = read_metrics(ddp_run), read_metrics(fsdp_run / "default")
+    ddp, fsdp = read_metrics(ddp_run), read_metrics(fsdp_run / CHAPTER)
     assert sorted(fsdp) == list(range(1, STEPS + 1))
     for step in ddp:
         assert abs(ddp[step]["loss"] - fsdp[step]["loss"]) <= 1e-5, step
@@ -36,7 +36,7 @@ def test_matches_ddp(ddp_run, fsdp_run):
 
 def test_each_rank_holds_half(fsdp_run):
     # From rank 0's local shards: half of the fp32 weights, and AdamW's two moments for that half.
-    metrics = read_metrics(fsdp_run / "default")[STEPS]
+    metrics = read_metrics(fsdp_run / CHAPTER)[STEPS]
     params, moments = metrics["memory/params_gib"] * 2**30, metrics["memory/optimizer_gib"] * 2**30
     assert params == pytest.approx(NUM_PARAMS * 4 / 2, rel=0.05)
     assert moments == pytest.approx(2 * NUM_PARAMS * 4 / 2, rel=0.05)
@@ -52,13 +52,13 @@ def interrupted_run(tmp_path_factory, hf_home):
         CHAPTER, *args, nproc=2, hf_home=hf_home, faults={"FAULT_KILL_DURING_CHECKPOINT": 2}, check=False
     )
     assert proc.returncode != 0
-    checkpoints = save_dir / "default" / "checkpoints"
+    checkpoints = save_dir / CHAPTER / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004", "step-00000008.tmp"]
-    return save_dir / "default"
+    return save_dir / CHAPTER
 
 
 def test_activation_checkpointing_gives_the_same_losses(interrupted_run, fsdp_run):
-    with_ac, without = read_metrics(interrupted_run), read_metrics(fsdp_run / "default")
+    with_ac, without = read_metrics(interrupted_run), read_metrics(fsdp_run / CHAPTER)
     assert sorted(with_ac) == list(range(1, 9))
     assert max(abs(with_ac[step]["loss"] - without[step]["loss"]) for step in with_ac) <= 1e-5
 
@@ -67,21 +67,21 @@ def test_activation_checkpointing_gives_the_same_losses(interrupted_run, fsdp_ru
 def test_resume_skips_the_interrupted_save_and_reshards(tmp_path, hf_home, interrupted_run, fsdp_run, nproc, batch_size):
     """The same global batch of 8 rows on 2, 1 or 4 ranks: DCP reshards the 2-rank checkpoint.
     (Activation checkpointing is off now: it changes what is recomputed, not what is saved.)"""
-    shutil.copytree(interrupted_run, tmp_path / "default")
+    shutil.copytree(interrupted_run, tmp_path / CHAPTER)
     args = [*ARGS, "--batch-size", str(batch_size), "--ckpt-freq", "4", "--save-dir", str(tmp_path)]
     resumed = run_chapter(CHAPTER, *args, nproc=nproc, hf_home=hf_home)
     assert "Resumed from" in resumed.stderr and "step-00000004 at step 4" in resumed.stderr
-    resumed_losses, reference = losses(tmp_path / "default"), losses(fsdp_run / "default")
+    resumed_losses, reference = losses(tmp_path / CHAPTER), losses(fsdp_run / CHAPTER)
     if nproc == 2:
         assert resumed_losses == reference  # the same ranks and shards: bit for bit
     else:
         assert max(abs(a - b) for a, b in zip(resumed_losses, reference)) <= 1e-5
-    metrics = read_metrics(tmp_path / "default")[STEPS]
+    metrics = read_metrics(tmp_path / CHAPTER)[STEPS]
     assert metrics["memory/params_gib"] * 2**30 == pytest.approx(NUM_PARAMS * 4 / nproc, rel=0.05)
 
 
 def test_resume_with_another_global_batch_fails_clearly(tmp_path, hf_home, interrupted_run):
-    shutil.copytree(interrupted_run, tmp_path / "default")
+    shutil.copytree(interrupted_run, tmp_path / CHAPTER)
     args = [*ARGS, "--batch-size", "4", "--save-dir", str(tmp_path)]
     proc = run_chapter(CHAPTER, *args, nproc=1, hf_home=hf_home, check=False)
     assert proc.returncode != 0
@@ -95,7 +95,7 @@ def test_exported_model_loads_and_matches_the_checkpoint(fsdp_run):
     exported = AutoModelForCausalLM.from_pretrained(fsdp_run / "hf")
     tokenizer = AutoTokenizer.from_pretrained(fsdp_run / "hf")
     # The sharded model at the end of training, as its DCP checkpoint holds it.
-    dcp_to_torch_save(fsdp_run / "default" / "checkpoints" / f"step-{STEPS:08d}", fsdp_run / "full.pt")
+    dcp_to_torch_save(fsdp_run / CHAPTER / "checkpoints" / f"step-{STEPS:08d}", fsdp_run / "full.pt")
     trained = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "common" / "tiny_llama"))
     trained.load_state_dict(torch.load(fsdp_run / "full.pt")["model"])
 

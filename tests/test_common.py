@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import os
 import re
@@ -82,3 +83,12 @@ def test_benchmark_command(tmp_path):
     assert "01-single-gpu, 1 process(es) on CPU" in proc.stdout
     assert re.search(r"tokens/s +[\d,]+ \(median of 1 log intervals\)", proc.stdout), proc.stdout
     assert re.search(r"peak_rss_gib +\d+\.\d\d GiB", proc.stdout), proc.stdout
+
+
+def test_each_chapter_runs_in_its_own_folder_by_default():
+    # Following the chapters in order must not make chapter N resume chapter N-1's run.
+    for chapter in chapters():
+        spec = importlib.util.spec_from_file_location(f"chapter_{chapter.name[:2]}", chapter / "train_llm.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert module.get_parser().parse_args([]).experiment_name == chapter.name
