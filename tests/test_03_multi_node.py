@@ -1,8 +1,11 @@
 """Several "nodes" on one machine: each node is its own torchrun launcher, as on a real cluster, and
-they meet through a c10d rendezvous on 127.0.0.1. The Slurm test runs a real two-node Slurm cluster."""
+they meet through a c10d rendezvous on 127.0.0.1, or, in their own network namespaces, on their own
+addresses. The Slurm test runs a real two-node Slurm cluster."""
 
+import os
 import shutil
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -16,23 +19,26 @@ ARGS = [*FAST_ARGS, "--max-steps", str(STEPS)]
 
 
 def launch_nodes(node_args: list[list[str]], hf_homes, nproc_per_node=1, torchrun_args=(), timeout=240):
-    """Starts one torchrun per node (the same command on every node, as on a cluster); waits for all."""
+    """Starts one torchrun per node (the same command on every node, as on a cluster); waits for all.
+    Returns each node's exit code and output (kept in files: a full pipe could stall a node)."""
     endpoint = f"127.0.0.1:{free_port()}"
-    procs = []
-    for args, hf_home in zip(node_args, hf_homes):
-        rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=test-job"]
-        cmd = [*torchrun(f"--nnodes={len(node_args)}", f"--nproc-per-node={nproc_per_node}", *rdzv, *torchrun_args)]
-        procs.append(
-            subprocess.Popen(
-                [*cmd, SCRIPT, *args],
-                env=chapter_env(hf_home),
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    return [(p.wait(timeout=timeout), p.stderr.read()) for p in procs]
+    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=test-job"]
+    cmd = torchrun(f"--nnodes={len(node_args)}", f"--nproc-per-node={nproc_per_node}", *rdzv, *torchrun_args)
+    return wait_for_nodes([([*cmd, SCRIPT, *args], chapter_env(hf_home)) for args, hf_home in zip(node_args, hf_homes)], timeout)
+
+
+def wait_for_nodes(commands: list[tuple[list[str], dict]], timeout: float) -> list[tuple[int, str]]:
+    logs = [tempfile.TemporaryFile("w+") for _ in commands]
+    procs = [
+        subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+        for (cmd, env), log in zip(commands, logs)
+    ]
+    results = []
+    for proc, log in zip(procs, logs):
+        code = proc.wait(timeout=timeout)
+        log.seek(0)
+        results.append((code, log.read()))
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +60,50 @@ def test_two_nodes_match_one_node(tmp_path, hf_home, one_node_losses):
     two_nodes = losses(tmp_path / CHAPTER)
     assert len(two_nodes) == STEPS
     assert max(abs(a - b) for a, b in zip(two_nodes, one_node_losses)) <= 1e-5
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair: two hosts, each with its own interface and address."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    tag = os.getpid() % 100_000
+    hosts = [(f"llm-a{tag}", f"veth-a{tag}", "10.231.7.1"), (f"llm-b{tag}", f"veth-b{tag}", "10.231.7.2")]
+    (ns_a, if_a, _), (ns_b, if_b, _) = hosts
+    commands = [
+        ["netns", "add", ns_a],
+        ["netns", "add", ns_b],
+        ["link", "add", if_a, "netns", ns_a, "type", "veth", "peer", "name", if_b, "netns", ns_b],
+    ]
+    for ns, interface, address in hosts:
+        commands += [
+            ["-n", ns, "addr", "add", f"{address}/24", "dev", interface],
+            ["-n", ns, "link", "set", interface, "up"],
+            ["-n", ns, "link", "set", "lo", "up"],
+        ]
+    try:
+        for command in commands:
+            subprocess.run(["ip", *command], check=True, capture_output=True)
+        yield hosts
+    finally:
+        for ns, _, _ in hosts:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_two_hosts_with_their_own_addresses_match_one_node(tmp_path, hf_home, two_hosts, one_node_losses):
+    """As on a cluster whose nodes have several interfaces: the head's address is not what its host
+    name resolves to (here 127.0.0.1), so the launcher is told which node hosts the rendezvous
+    (is_host), which address to advertise (--local-addr), and gloo which interface to use."""
+    head_address = two_hosts[0][2]
+    commands = []
+    for node, (ns, interface, address) in enumerate(two_hosts):
+        rdzv = [f"--rdzv-endpoint={head_address}:29500", f"--rdzv-conf=is_host={int(node == 0)}", f"--local-addr={address}"]
+        cmd = torchrun("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-id=netns", *rdzv)
+        env = chapter_env(hf_home, {"GLOO_SOCKET_IFNAME": interface})
+        commands.append((["ip", "netns", "exec", ns, *cmd, SCRIPT, *ARGS, "--save-dir", str(tmp_path)], env))
+    results = wait_for_nodes(commands, timeout=240)
+    assert all(code == 0 for code, _ in results), results[0][1][-3000:] + results[1][1][-3000:]
+    assert losses(tmp_path / CHAPTER) == one_node_losses
 
 
 def test_node_local_cache_is_prepared_on_every_node(tmp_path):
