@@ -36,6 +36,7 @@ from common import (
     publish_checkpoint,
     setup_logging,
     wandb_mode,
+    warmup_cosine,
 )
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,10 @@ def main():
     setup_logging()
     logger.info(args)
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but no GPU is visible (did the job request GPUs?)")
+    device = torch.device(device_type)
     # fp32 weights and optimizer state; matmuls in bf16 on GPU (autocast), fp32 on CPU.
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
@@ -90,7 +94,14 @@ def main():
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup_steps, total_steps))
 
     exp_dir = Path(args.save_dir) / args.experiment_name
-    state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": secrets.token_hex(4)}
+    state = {
+        "epoch": 0,
+        "epoch_step": 0,
+        "global_step": 0,
+        "running_loss": 0.0,  # summed since the last log line: a resumed run logs the same mean
+        "steps_since_log": 0,
+        "wandb_run_id": secrets.token_hex(4),
+    }
     checkpoint = latest_checkpoint(exp_dir)
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
@@ -111,14 +122,11 @@ def main():
     )
 
     tokens_per_step = args.batch_size * args.seq_length
-    # The input embedding is a lookup, not a matmul: it costs no FLOPs.
-    flops_per_step = tokens_per_step * flops_per_token(
-        config, num_params - model.get_input_embeddings().weight.numel(), args.seq_length
-    )
+    flops_per_step = tokens_per_step * flops_per_token(model, config, args.seq_length)
     peak_flops = peak_bf16_flops(device)
     timers = PhaseTimers(device)
     progress = tqdm.tqdm(total=total_steps, initial=state["global_step"], desc="training", dynamic_ncols=True)
-    running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
+    running_loss, steps_since_log, log_start = state["running_loss"], state["steps_since_log"], time.perf_counter()
 
     model.train()
     while state["global_step"] < total_steps:
@@ -137,7 +145,8 @@ def main():
                 batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
 
             with timers("forward"), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                loss = model(**batch).loss
+                # No KV cache: it serves generation, and its per-layer state would make compile recompile.
+                loss = model(**batch, use_cache=False).loss
 
             with timers("backward"):
                 loss.backward()
@@ -156,6 +165,7 @@ def main():
             steps_since_log += 1
 
             if state["global_step"] % args.log_freq == 0 or state["global_step"] == total_steps:
+                timings = timers.summary()  # waits for the GPU: the elapsed time then covers all queued work
                 elapsed = time.perf_counter() - log_start
                 metrics = {
                     "step": state["global_step"],
@@ -164,7 +174,7 @@ def main():
                     "lr": lr_scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm.item(),
                     "tokens_per_s": steps_since_log * tokens_per_step / elapsed,
-                    **timers.summary(),
+                    **timings,
                     **memory_stats(device),
                 }
                 if peak_flops:
@@ -175,6 +185,7 @@ def main():
                 running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
             if state["global_step"] % args.ckpt_freq == 0 or state["global_step"] == total_steps:
+                state["running_loss"], state["steps_since_log"] = float(running_loss), steps_since_log
                 save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device)
                 log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
 
@@ -185,18 +196,6 @@ def main():
     progress.close()
     wandb.finish()
     logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
-
-
-def warmup_cosine(warmup_steps: int, total_steps: int):
-    """LR multiplier: linear warmup to 1, then cosine decay to 0.1 at the last step."""
-
-    def lr_factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    return lr_factor
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device):
@@ -253,6 +252,9 @@ def get_parser():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], help="default: cuda if a GPU is visible; cuda never falls back to the CPU"
+    )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="compute dtype (default: bf16 on GPU)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (default: on GPU)")
     parser.add_argument("--log-freq", type=positive_int, default=10)

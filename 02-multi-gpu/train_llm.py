@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import shutil
 import time
 from datetime import timedelta
@@ -42,6 +43,7 @@ from common import (
     rank0_first,
     setup_logging,
     wandb_mode,
+    warmup_cosine,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,8 +58,11 @@ def main():
     setup_logging(prefix=f"[rank={rank}] ", level=logging.INFO if rank == 0 else logging.WARNING)
     logger.info(args)
 
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but no GPU is visible (did the job request GPUs?)")
     # A collective that waits longer than the timeout fails instead of hanging forever.
-    if torch.cuda.is_available():
+    if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", timeout=timedelta(minutes=10), device_id=device)
@@ -111,7 +116,17 @@ def main():
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup_steps, total_steps))
 
     exp_dir = Path(args.save_dir) / args.experiment_name
-    state = {"epoch": 0, "epoch_step": 0, "global_step": 0}
+    # One wandb id for the job, drawn by rank 0: every rank must name its run after the same id.
+    wandb_run_id = [secrets.token_hex(4)]
+    dist.broadcast_object_list(wandb_run_id, src=0)
+    state = {
+        "epoch": 0,
+        "epoch_step": 0,
+        "global_step": 0,
+        "running_loss": 0.0,  # summed since the last log line: a resumed run logs the same mean
+        "steps_since_log": 0,
+        "wandb_run_id": wandb_run_id[0],
+    }
     checkpoint = latest_checkpoint(exp_dir)
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
@@ -124,31 +139,30 @@ def main():
     if use_compile:
         model.compile()
 
-    # One wandb run per rank (each rank's timings and memory are its own), grouped by experiment.
-    # Every rank can name its run without talking to the others: the ids come from the name.
+    # One wandb run per rank (each rank's timings and memory are its own), grouped by job. The
+    # ids come from the checkpoint, as in chapter 01: a new run never continues an old one.
     wandb_dir = exp_dir / f"rank-{rank}"
     wandb_dir.mkdir(parents=True, exist_ok=True)
     wandb.init(
         dir=wandb_dir,
-        id=f"{args.experiment_name}-{rank}",
-        name=f"rank-{rank}",
-        group=args.experiment_name,
+        id=f"{state['wandb_run_id']}-{rank}",
+        name=f"{args.experiment_name}-rank-{rank}",
+        group=f"{args.experiment_name}-{state['wandb_run_id']}",
         resume="allow",
         config=vars(args),
         mode=wandb_mode(),
     )
 
     tokens_per_step = world_size * args.batch_size * args.seq_length
-    # The input embedding is a lookup, not a matmul: it costs no FLOPs.
-    flops_per_step = tokens_per_step * flops_per_token(
-        config, num_params - model.module.get_input_embeddings().weight.numel(), args.seq_length
-    )
+    flops_per_step = tokens_per_step * flops_per_token(model, config, args.seq_length)
     peak_flops = peak_bf16_flops(device)
     timers = PhaseTimers(device)
     progress = tqdm.tqdm(
         total=total_steps, initial=state["global_step"], desc="training", dynamic_ncols=True, disable=rank != 0
     )
-    running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
+    # Rank 0 carries the job's loss sum from before the checkpoint; the others start from zero.
+    running_loss = state["running_loss"] if rank == 0 else 0.0
+    steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
 
     model.train()
     while state["global_step"] < total_steps:
@@ -168,7 +182,8 @@ def main():
                 batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
 
             with timers("forward"), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                loss = model(**batch).loss
+                # No KV cache: it serves generation, and its per-layer state would make compile recompile.
+                loss = model(**batch, use_cache=False).loss
 
             with timers("backward"):
                 loss.backward()
@@ -189,6 +204,7 @@ def main():
             if state["global_step"] % args.log_freq == 0 or state["global_step"] == total_steps:
                 # Each rank saw other rows: the job's loss is the mean over ranks.
                 dist.all_reduce(running_loss, op=dist.ReduceOp.SUM)
+                timings = timers.summary()  # waits for the GPU: the elapsed time then covers all queued work
                 elapsed = time.perf_counter() - log_start
                 metrics = {
                     "step": state["global_step"],
@@ -197,7 +213,7 @@ def main():
                     "lr": lr_scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm.item(),
                     "tokens_per_s": steps_since_log * tokens_per_step / elapsed,
-                    **timers.summary(),
+                    **timings,
                     **memory_stats(device),
                 }
                 if peak_flops:
@@ -209,6 +225,9 @@ def main():
                 running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
             if state["global_step"] % args.ckpt_freq == 0 or state["global_step"] == total_steps:
+                job_loss = torch.tensor(float(running_loss), device=device)
+                dist.all_reduce(job_loss, op=dist.ReduceOp.SUM)
+                state["running_loss"], state["steps_since_log"] = job_loss.item(), steps_since_log
                 # All ranks hold the same weights and optimizer state: rank 0 writes for everyone.
                 if rank == 0:
                     save_checkpoint(exp_dir, model.module, optimizer, lr_scheduler, state, device)
@@ -224,18 +243,6 @@ def main():
     wandb.finish()
     logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
     dist.destroy_process_group()
-
-
-def warmup_cosine(warmup_steps: int, total_steps: int):
-    """LR multiplier: linear warmup to 1, then cosine decay to 0.1 at the last step."""
-
-    def lr_factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    return lr_factor
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device):
@@ -293,6 +300,9 @@ def get_parser():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], help="default: cuda if a GPU is visible; cuda never falls back to the CPU"
+    )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="compute dtype (default: bf16 on GPU)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (default: on GPU)")
     parser.add_argument("--log-freq", type=positive_int, default=10)

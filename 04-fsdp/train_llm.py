@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import shutil
 import socket
 import time
@@ -53,6 +54,7 @@ from common import (
     rank0_first,
     setup_logging,
     wandb_mode,
+    warmup_cosine,
 )
 
 logger = logging.getLogger(__name__)
@@ -71,11 +73,17 @@ def main():
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         logger.warning(f"Workers restarted {os.environ['TORCHELASTIC_RESTART_COUNT']} time(s): resuming")
 
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but no GPU is visible (did the job request GPUs?)")
     # A collective that waits longer than the timeout fails instead of hanging forever.
-    if torch.cuda.is_available():
+    if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timedelta(minutes=args.dist_timeout), device_id=device)
+        # With --cpu-offload the shards and their gradients live on the CPU, and collectives over
+        # them (clipping's norm) need a CPU backend beside NCCL.
+        backend = "cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl"
+        dist.init_process_group(backend, timeout=timedelta(minutes=args.dist_timeout), device_id=device)
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
@@ -94,6 +102,9 @@ def main():
             tokenizer = AutoTokenizer.from_pretrained(args.model_name)
     except OSError as err:
         raise SystemExit(f"error: --model-name {args.model_name!r}: {str(err).splitlines()[0]}") from err
+    # The export is in the dtype the model was published in (bf16 for most), not in training's fp32.
+    # Read it now: building the model in fp32 overwrites config.dtype.
+    export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
     if args.seq_length > config.max_position_embeddings:
         raise SystemExit(
             f"error: --seq-length {args.seq_length} is longer than the model's "
@@ -117,6 +128,9 @@ def main():
     torch.manual_seed(args.seed)
     full_model = None
     if rank == 0 and args.from_pretrained:
+        # A phase of rank 0 alone (a first run downloads the weights): the other ranks wait for it in
+        # the next collective, for at most --dist-timeout. Raise it, or download first, for big models.
+        logger.info(f"Loading {args.model_name} on rank 0; the other ranks wait up to {args.dist_timeout:g} min")
         try:
             full_model = AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
         except OSError as err:
@@ -127,12 +141,14 @@ def main():
     # allocates only its own shards on its device.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Found once, now: fully_shard changes each block's class, and then the names would not match.
+    blocks = transformer_blocks(model)
     if args.activation_checkpointing:
         # Each block keeps only its input; its activations are recomputed during backward.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
-    apply_fsdp(model, mesh, mp_policy, offload_policy)
+    apply_fsdp(model, blocks, mesh, mp_policy, offload_policy)
     model.to_empty(device="cpu" if args.cpu_offload else device)
     # Rank 0's full weights, sent tensor by tensor into every rank's shards.
     set_model_state_dict(
@@ -140,11 +156,13 @@ def main():
         full_model.state_dict() if rank == 0 else {},
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
     )
-    # Buffers outside the state dict (Llama's rotary frequencies) are not sent: copy them too.
+    # Buffers outside the state dict (Llama's rotary frequencies) are not sent: send them too, to
+    # the device, where the model computes (with --cpu-offload, to_empty left them on the CPU).
     for name, buffer in model.named_buffers():
-        if rank == 0:
-            buffer.copy_(full_model.get_buffer(name))
-        dist.broadcast(buffer, src=0)
+        value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty_like(buffer, device=device)
+        dist.broadcast(value, src=0)
+        module_name, _, buffer_name = name.rpartition(".")
+        setattr(model.get_submodule(module_name), buffer_name, value)
     del full_model
     num_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its full size
     logger.info(f"{num_params:,} parameters, sharded over {world_size} ranks")
@@ -154,7 +172,18 @@ def main():
 
     exp_dir = Path(args.save_dir) / args.experiment_name
     global_batch_size = world_size * args.batch_size
-    state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "global_batch_size": global_batch_size}
+    # One wandb id for the job, drawn by rank 0: every rank must name its run after the same id.
+    wandb_run_id = [secrets.token_hex(4)]
+    dist.broadcast_object_list(wandb_run_id, src=0)
+    state = {
+        "epoch": 0,
+        "epoch_step": 0,
+        "global_step": 0,
+        "running_loss": 0.0,  # summed since the last log line: a resumed run logs the same mean
+        "steps_since_log": 0,
+        "wandb_run_id": wandb_run_id[0],
+    }
+    state["global_batch_size"] = global_batch_size
     checkpoint = latest_checkpoint(exp_dir)
     # Every rank must resume from the same step. A --save-dir on each node's own disk would let
     # the ranks of other nodes silently start over: check against what rank 0 sees.
@@ -178,34 +207,33 @@ def main():
 
     # Each block compiled on its own: FSDP's hooks between blocks stay outside the compiled code.
     if use_compile:
-        for block in transformer_blocks(model):
+        for block in blocks:
             block.compile()
 
-    # One wandb run per rank (each rank's timings and memory are its own), grouped by experiment.
-    # Every rank can name its run without talking to the others: the ids come from the name.
+    # One wandb run per rank (each rank's timings and memory are its own), grouped by job. The
+    # ids come from the checkpoint, as in chapter 01: a new run never continues an old one.
     wandb_dir = exp_dir / f"rank-{rank}"
     wandb_dir.mkdir(parents=True, exist_ok=True)
     wandb.init(
         dir=wandb_dir,
-        id=f"{args.experiment_name}-{rank}",
-        name=f"rank-{rank}",
-        group=args.experiment_name,
+        id=f"{state['wandb_run_id']}-{rank}",
+        name=f"{args.experiment_name}-rank-{rank}",
+        group=f"{args.experiment_name}-{state['wandb_run_id']}",
         resume="allow",
         config=vars(args),
         mode=wandb_mode(),
     )
 
     tokens_per_step = world_size * args.batch_size * args.seq_length
-    # The input embedding is a lookup, not a matmul: it costs no FLOPs.
-    flops_per_step = tokens_per_step * flops_per_token(
-        config, num_params - model.get_input_embeddings().weight.numel(), args.seq_length
-    )
+    flops_per_step = tokens_per_step * flops_per_token(model, config, args.seq_length)
     peak_flops = peak_bf16_flops(device)
     timers = PhaseTimers(device)
     progress = tqdm.tqdm(
         total=total_steps, initial=state["global_step"], desc="training", dynamic_ncols=True, disable=rank != 0
     )
-    running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
+    # Rank 0 carries the job's loss sum from before the checkpoint; the others start from zero.
+    running_loss = state["running_loss"] if rank == 0 else 0.0
+    steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
 
     model.train()
     while state["global_step"] < total_steps:
@@ -225,7 +253,8 @@ def main():
                 batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
 
             with timers("forward"):
-                loss = model(**batch).loss
+                # No KV cache: it serves generation, and its per-layer state would make compile recompile.
+                loss = model(**batch, use_cache=False).loss
 
             with timers("backward"):
                 loss.backward()
@@ -246,6 +275,7 @@ def main():
             if state["global_step"] % args.log_freq == 0 or state["global_step"] == total_steps:
                 # Each rank saw other rows: the job's loss is the mean over ranks.
                 dist.all_reduce(running_loss, op=dist.ReduceOp.SUM)
+                timings = timers.summary()  # waits for the GPU: the elapsed time then covers all queued work
                 elapsed = time.perf_counter() - log_start
                 metrics = {
                     "step": state["global_step"],
@@ -254,7 +284,7 @@ def main():
                     "lr": lr_scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm.item(),
                     "tokens_per_s": steps_since_log * tokens_per_step / elapsed,
-                    **timers.summary(),
+                    **timings,
                     **memory_stats(device),
                     **shard_memory(model, optimizer),
                 }
@@ -267,6 +297,9 @@ def main():
                 running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
             if state["global_step"] % args.ckpt_freq == 0 or state["global_step"] == total_steps:
+                job_loss = torch.tensor(float(running_loss), device=device)
+                dist.all_reduce(job_loss, op=dist.ReduceOp.SUM)
+                state["running_loss"], state["steps_since_log"] = job_loss.item(), steps_since_log
                 # Every rank writes its own shards; rank 0 adds the rest and publishes the checkpoint.
                 save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, rank)
                 log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
@@ -277,7 +310,7 @@ def main():
 
     progress.close()
     if args.export_hf:
-        export_hf(model, config, tokenizer, args.export_hf, rank)
+        export_hf(model, config, tokenizer, args.export_hf, export_dtype, rank)
     wandb.finish()
     logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
     dist.destroy_process_group()
@@ -286,21 +319,21 @@ def main():
 def transformer_blocks(model) -> list[torch.nn.Module]:
     """The repeated blocks, found by the class names HF lists in `_no_split_modules` (LlamaDecoderLayer, ...)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    return [module for module in model.modules() if type(module).__name__ in names]
-
-
-def apply_fsdp(model, mesh, mp_policy, offload_policy):
-    """Shards each transformer block, then the root (embeddings, final norm, output head).
-
-    A block is the unit of communication: its weights are all-gathered just before its forward and
-    backward and freed right after, and its gradients reduce-scattered as soon as they are ready.
-    """
-    blocks = transformer_blocks(model)
+    blocks = [module for module in model.modules() if type(module).__name__ in names]
     if not blocks:
         raise SystemExit(
             f"error: --model-name {model.config.name_or_path!r}: no transformer blocks found to shard "
             f"(the model's _no_split_modules names none)"
         )
+    return blocks
+
+
+def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
+    """Shards each transformer block, then the root (embeddings, final norm, output head).
+
+    A block is the unit of communication: its weights are all-gathered just before its forward and
+    backward and freed right after, and its gradients reduce-scattered as soon as they are ready.
+    """
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
@@ -314,29 +347,22 @@ def shard_memory(model, optimizer) -> dict:
     return {"memory/params_gib": params / gib, "memory/optimizer_gib": moments / gib}
 
 
-def export_hf(model, config, tokenizer, folder, rank):
-    """Writes a folder that `from_pretrained` loads: the full weights, gathered onto rank 0's CPU."""
+def export_hf(model, config, tokenizer, folder, dtype, rank):
+    """Writes a folder that `from_pretrained` loads: the full weights, gathered onto rank 0's CPU.
+
+    Rank 0 alone converts and writes them while the other ranks wait at the barrier, for at most
+    --dist-timeout: a model of many GB on a slow disk may need more.
+    """
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         with torch.device("meta"):
-            export_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        export_model.load_state_dict(full_state, assign=True)
+            export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        export_model.load_state_dict({name: value.to(dtype) for name, value in full_state.items()}, assign=True)
+        export_model.tie_weights()  # converted one by one, tied weights became two tensors again
         export_model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        logger.info(f"Exported the model to {folder}")
+        logger.info(f"Exported the model to {folder} in {dtype}")
     dist.barrier()
-
-
-def warmup_cosine(warmup_steps: int, total_steps: int):
-    """LR multiplier: linear warmup to 1, then cosine decay to 0.1 at the last step."""
-
-    def lr_factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    return lr_factor
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, rank):
@@ -404,6 +430,9 @@ def get_parser():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], help="default: cuda if a GPU is visible; cuda never falls back to the CPU"
+    )
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="compute dtype (default: bf16 on GPU)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (default: on GPU)")
     parser.add_argument("--log-freq", type=positive_int, default=10)
@@ -414,6 +443,9 @@ def get_parser():
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     parser.add_argument("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
     parser.add_argument("--export-hf", help="at the end, write the model and tokenizer here for from_pretrained")
+    parser.add_argument(
+        "--export-dtype", choices=["bfloat16", "float16", "float32"], help="default: the dtype in the model's config"
+    )
     parser.add_argument(
         "--node-local-cache",
         action="store_true",

@@ -16,6 +16,7 @@ from common.utils import (
     rank0_first,
     setup_logging,
     wandb_mode,
+    warmup_cosine,
 )
 
 # The embedded default: a tiny Llama config with its tokenizer, and a small task dataset, both
@@ -39,4 +40,5 @@ __all__ = [
     "rank0_first",
     "setup_logging",
     "wandb_mode",
+    "warmup_cosine",
 ]

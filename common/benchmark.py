@@ -3,20 +3,24 @@
     python -m common.benchmark 01 --steps 200
     python -m common.benchmark 02 --nproc 2 --steps 200 -- --batch-size 4
     python -m common.benchmark 02 --nproc gpu -- --model-name meta-llama/Llama-3.2-1B --seq-length 2048
+    python -m common.benchmark 01 --steps 40 -- --model-name common/llama_1b_shape --seq-length 2048 --batch-size 8
 
 Runs the chapter's train_llm.py as users do (`python`, or `torchrun --standalone` with --nproc), into
 a temporary folder with wandb disabled, then summarizes its metrics.jsonl. The first two log
 intervals are left out: they hold torch.compile's warm-up and the allocator's first growth.
+`common/llama_1b_shape` is Llama-3.2-1B's shape with the embedded tokenizer: no download needed.
 """
 
 import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -40,7 +44,17 @@ def main() -> None:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
     with tempfile.TemporaryDirectory() as save_dir:
         train = [str(script), "--save-dir", save_dir, "--max-steps", str(args.steps), "--log-freq", "10"]
-        subprocess.run([*launcher, *train, *train_args], env={**os.environ, "WANDB_MODE": "disabled"}, check=True)
+        env = {**os.environ, "WANDB_MODE": "disabled"}
+        proc = subprocess.Popen([*launcher, *train, *train_args], env=env, start_new_session=True)
+        # Stopped once the last step is logged: the final checkpoint (15 GB for a 1B model) is not
+        # part of the measurement.
+        while proc.poll() is None and args.steps not in logged_steps(save_dir):
+            time.sleep(1)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        elif proc.returncode != 0:
+            raise SystemExit(f"error: {script} exited with {proc.returncode}")
         records = [json.loads(line) for line in next(Path(save_dir).glob("*/metrics.jsonl")).read_text().splitlines()]
 
     measured = records[2:] or records
@@ -54,6 +68,13 @@ def main() -> None:
     for key in sorted(k for k in measured[-1] if k.startswith("time/")):
         print(f"  {key.removeprefix('time/'):<13} {statistics.median(r[key] for r in measured):.1f} (median)")
     print(f"  final loss    {measured[-1]['loss']:.3f}")
+
+
+def logged_steps(save_dir: str) -> set[int]:
+    steps = set()
+    for metrics in Path(save_dir).glob("*/metrics.jsonl"):
+        steps |= {json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.endswith("}")}
+    return steps
 
 
 if __name__ == "__main__":

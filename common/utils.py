@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import resource
@@ -102,24 +103,35 @@ def memory_stats(device: torch.device) -> dict:
     return {"memory/rss_gib": psutil.Process().memory_info().rss / gib, "memory/peak_rss_gib": peak_rss / gib}
 
 
-def flops_per_token(config, num_matmul_params: int, seq_length: int) -> float:
-    """Training FLOPs per token: 6 per weight (2 forward, 4 backward) plus attention (PaLM paper, app. B)."""
+def flops_per_token(model, config, seq_length: int) -> float:
+    """Training FLOPs per token: 6 per matmul weight (2 forward, 4 backward) plus attention (PaLM paper, app. B).
+
+    The weights are those of the model's linear layers: the input embedding is a lookup and costs
+    nothing, while a tied output head shares the embedding's weight and still costs a full matmul.
+    A sharded weight (DTensor) counts its full size.
+    """
+    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
-    return 6 * num_matmul_params + attention
+    return 6 * matmul_weights + attention
 
 
-# Dense bf16 tensor-core peaks from the vendors' datasheets, FLOP/s.
+# Dense (not sparse) bf16 tensor-core peaks from the vendors' datasheets, FLOP/s, by the name
+# torch.cuda.get_device_name() reports, less its "NVIDIA " prefix.
 _PEAK_BF16_FLOPS = {
+    "GB200": 2.5e15,
     "B200": 2.25e15,
+    "GH200": 989e12,
     "H200": 989e12,
+    "H200 NVL": 835e12,
+    "H100": 989e12,  # the SXM part reports "H100 80GB HBM3"
     "H100 NVL": 835e12,
     "H100 PCIe": 756e12,
-    "H100": 989e12,
     "A100": 312e12,
     "L40S": 362e12,
-    "A10G": 70e12,
+    "L40": 181e12,
     "L4": 121e12,
+    "A10": 125e12,
 }
 
 
@@ -127,8 +139,16 @@ def peak_bf16_flops(device: torch.device) -> float | None:
     """The device's dense bf16 peak, or None where it is not known (then MFU is not reported)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in _PEAK_BF16_FLOPS.items() if key in name), None)
+    return lookup_peak_flops(torch.cuda.get_device_name(device))
+
+
+def lookup_peak_flops(name: str) -> float | None:
+    """The longest entry found in `name` as whole words: "H100 PCIe" wins over "H100", and "L4"
+    never matches "L40S", nor "B200" "GB200"."""
+    for key in sorted(_PEAK_BF16_FLOPS, key=len, reverse=True):
+        if re.search(rf"(?<![\w]){re.escape(key)}(?![\w])", name):
+            return _PEAK_BF16_FLOPS[key]
+    return None
 
 
 def append_jsonl(path: Path, record: dict) -> None:
@@ -178,6 +198,18 @@ def publish_checkpoint(tmp_dir: Path, final_dir: Path) -> None:
     for old in final_dir.parent.iterdir():
         if old != final_dir and (_CHECKPOINT_NAME.fullmatch(old.name) or old.name.endswith(".tmp")):
             shutil.rmtree(old)
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int):
+    """LR multiplier: linear warmup to 1, then cosine decay to 0.1 at the last step."""
+
+    def lr_factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return lr_factor
 
 
 def positive_int(text: str) -> int:

@@ -114,3 +114,13 @@ def wandb_run_record(run_dir: Path):
             if record.WhichOneof("record_type") == "run":
                 return record.run
     raise AssertionError(f"no run record in {run_dir}")
+
+
+def compiled_graphs(chapter: str, tmp_path: Path, hf_home: Path, *args: str, nproc: int | None = None) -> list[int]:
+    """Runs `chapter` with --compile and returns, after each step, how many graphs dynamo has compiled.
+    Dynamo traces as on a GPU; the traced graphs then run as they are (no kernels are generated),
+    which keeps this a matter of seconds on a small CPU (see tests/faults/sitecustomize.py)."""
+    probe = tmp_path / "compile_counts.jsonl"
+    faults = {"PROBE_COMPILE_COUNTS": probe, "PROBE_COMPILE_BACKEND": "eager"}
+    run_chapter(chapter, "--compile", *args, "--save-dir", str(tmp_path), nproc=nproc, hf_home=hf_home, faults=faults)
+    return [json.loads(line)["graphs"] for line in probe.read_text().splitlines()]

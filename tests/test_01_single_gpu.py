@@ -3,7 +3,17 @@ import math
 import shutil
 
 import pytest
-from harness import FAST_ARGS, REPO, UNIFORM_LOSS, VOCAB_SIZE, last_line, losses, read_metrics, run_chapter
+from harness import (
+    FAST_ARGS,
+    REPO,
+    UNIFORM_LOSS,
+    VOCAB_SIZE,
+    compiled_graphs,
+    last_line,
+    losses,
+    read_metrics,
+    run_chapter,
+)
 
 CHAPTER = "01-single-gpu"
 STEPS = 12
@@ -45,6 +55,24 @@ def test_exact_resume_after_kill(tmp_path, hf_home, straight_losses):
     resumed = run_chapter(CHAPTER, *args, hf_home=hf_home)
     assert f"Resumed from {exp_dir / 'checkpoints' / 'step-00000006'} at step 6" in resumed.stderr
     assert losses(exp_dir) == straight_losses  # bitwise: fp32 on CPU is deterministic
+
+
+def test_compile_traces_the_model_once(tmp_path, hf_home, straight_losses):
+    graphs = compiled_graphs(CHAPTER, tmp_path, hf_home, *FAST_ARGS, "--max-steps", str(STEPS))
+    assert graphs == [1] * STEPS, "one graph for the whole model, compiled in the first step and never again"
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), straight_losses)) <= 1e-5
+
+
+def test_first_log_line_after_a_resume_averages_the_same_steps(tmp_path, hf_home, straight_losses):
+    # Logged every 4 steps, saved at step 6: the line of step 8 averages steps 5-8, of which steps 5
+    # and 6 ran before the kill.
+    args = [*FAST_ARGS, "--log-freq", "4", "--ckpt-freq", "6", "--max-steps", str(STEPS), "--save-dir", str(tmp_path)]
+    run_chapter(CHAPTER, *args, hf_home=hf_home, faults={"FAULT_KILL_AFTER_CHECKPOINT": 1}, check=False)
+    run_chapter(CHAPTER, *args, hf_home=hf_home)
+    logged = read_metrics(tmp_path / CHAPTER)
+    assert sorted(logged) == [4, 8, 12]
+    for step in logged:
+        assert logged[step]["loss"] == pytest.approx(sum(straight_losses[step - 4 : step]) / 4, abs=1e-6), step
 
 
 def test_kill_while_saving_resumes_from_previous_checkpoint(tmp_path, hf_home, straight_losses):

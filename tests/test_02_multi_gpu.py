@@ -3,7 +3,7 @@ import re
 import time
 
 import pytest
-from harness import FAST_ARGS, losses, read_metrics, run_chapter, wandb_run_record
+from harness import FAST_ARGS, compiled_graphs, losses, read_metrics, run_chapter, wandb_run_record
 
 CHAPTER = "02-multi-gpu"
 STEPS = 12
@@ -41,11 +41,37 @@ def test_exact_resume_on_2_ranks(tmp_path, hf_home, straight_run):
     assert losses(tmp_path / "ddp") == losses(straight_run)
 
 
+def test_first_log_line_after_a_resume_averages_the_same_steps(tmp_path, hf_home, straight_run):
+    # Logged every 4 steps, saved at step 6: the line of step 8 averages steps 5-8 over both ranks,
+    # of which steps 5 and 6 ran before the kill.
+    args = [*FAST_ARGS, "--log-freq", "4", "--ckpt-freq", "6", "--max-steps", str(STEPS)]
+    args += ["--experiment-name", "ddp", "--save-dir", str(tmp_path)]
+    faults = {"FAULT_KILL_AFTER_CHECKPOINT": 1}
+    run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home, faults=faults, check=False)
+    run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home)
+    logged, straight = read_metrics(tmp_path / "ddp"), losses(straight_run)
+    assert sorted(logged) == [4, 8, 12]
+    for step in logged:
+        assert logged[step]["loss"] == pytest.approx(sum(straight[step - 4 : step]) / 4, abs=1e-6), step
+
+
+def test_compile_traces_the_ddp_model_once(tmp_path, hf_home, straight_run):
+    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--experiment-name", "ddp"]
+    graphs = compiled_graphs(CHAPTER, tmp_path, hf_home, *args, nproc=RANKS)
+    assert graphs == [1] * STEPS, "one graph for the DDP model, compiled in the first step and never again"
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / "ddp"), losses(straight_run))) <= 1e-5
+
+
 def test_one_wandb_run_per_rank_in_one_group(straight_run):
+    # The job's id is rank 0's random draw, kept in the checkpoint: a rerun after deleting the
+    # folder, or another chapter under the same experiment name, starts new runs.
+    [checkpoint] = (straight_run / "checkpoints").iterdir()
+    job_id = json.loads((checkpoint / "state.json").read_text())["wandb_run_id"]
+    assert re.fullmatch(r"[0-9a-f]{8}", job_id)
     for rank in range(RANKS):
         [run_dir] = (straight_run / f"rank-{rank}" / "wandb").glob("offline-run-*")
         run = wandb_run_record(run_dir)
-        assert (run.run_id, run.run_group, run.display_name) == (f"ddp-{rank}", "ddp", f"rank-{rank}")
+        assert (run.run_id, run.run_group, run.display_name) == (f"{job_id}-{rank}", f"ddp-{job_id}", f"ddp-rank-{rank}")
 
 
 def test_a_failing_rank_stops_the_job_and_is_reported(tmp_path, hf_home):

@@ -2,7 +2,7 @@ import shutil
 
 import pytest
 import torch
-from harness import FAST_ARGS, REPO, UNIFORM_LOSS, losses, read_metrics, run_chapter
+from harness import FAST_ARGS, REPO, UNIFORM_LOSS, compiled_graphs, losses, read_metrics, run_chapter
 
 CHAPTER = "04-fsdp"
 STEPS = 12
@@ -32,6 +32,14 @@ def test_matches_ddp(ddp_run, fsdp_run):
     for step in ddp:
         assert abs(ddp[step]["loss"] - fsdp[step]["loss"]) <= 1e-5, step
         assert ddp[step]["grad_norm"] == pytest.approx(fsdp[step]["grad_norm"], rel=1e-4), step
+
+
+def test_compile_traces_every_block_with_no_recompiles(tmp_path, hf_home, fsdp_run):
+    # The four blocks share one graph: without the KV cache, nothing differs between them for
+    # dynamo to guard on (with it, each block recompiled: 4 graphs, and at most 8 on a big model).
+    graphs = compiled_graphs(CHAPTER, tmp_path, hf_home, *ARGS, nproc=2)
+    assert graphs == [1] * STEPS, "every block compiled in the first step, and nothing compiled again"
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(fsdp_run / CHAPTER))) <= 1e-5
 
 
 def test_each_rank_holds_half(fsdp_run):
@@ -111,3 +119,44 @@ def test_cpu_offload_needs_gpus(tmp_path, hf_home):
     proc = run_chapter(CHAPTER, "--cpu-offload", "--save-dir", str(tmp_path), nproc=1, hf_home=hf_home, check=False)
     assert proc.returncode != 0
     assert "error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs" in proc.stderr
+
+
+def test_export_is_in_the_config_dtype_and_keeps_tied_weights(tmp_path, hf_home):
+    """A model published in bf16 with tied embeddings (as Llama-3.2-1B) is exported in bf16, once."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoConfig
+
+    model_dir = tmp_path / "tied_bf16"
+    shutil.copytree(REPO / "common" / "tiny_llama", model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    config.tie_word_embeddings, config.dtype = True, torch.bfloat16
+    config.save_pretrained(model_dir)
+    args = [*ARGS, "--model-name", str(model_dir), "--max-steps", "2", "--export-hf", str(tmp_path / "hf")]
+    run_chapter(CHAPTER, *args, "--save-dir", str(tmp_path), nproc=2, hf_home=hf_home)
+
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        exported = {name: f.get_tensor(name) for name in f.keys()}
+    assert {t.dtype for t in exported.values()} == {torch.bfloat16}
+    assert "lm_head.weight" not in exported, "a tied output head is saved once, as the embedding"
+    dcp_to_torch_save(tmp_path / CHAPTER / "checkpoints" / "step-00000002", tmp_path / "full.pt")
+    trained = torch.load(tmp_path / "full.pt")["model"]
+    assert all(exported[name].equal(trained[name].to(torch.bfloat16)) for name in exported)
+
+
+def test_elastic_restart_with_plain_torchrun(tmp_path, hf_home, fsdp_run):
+    # As chapter 03's README prints it: torchrun --max-restarts, with a fresh store per attempt.
+    # Rank 1 is SIGKILLed in step 7; both workers restart and resume from step 4's DCP checkpoint.
+    proc = run_chapter(
+        CHAPTER,
+        *ARGS,
+        "--ckpt-freq", "4",
+        "--save-dir", str(tmp_path),
+        nproc=2,
+        torchrun_args=("--max-restarts", "1"),
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        faults={"FAULT_KILL_AT_STEP": 7, "FAULT_RANK": 1},
+        hf_home=hf_home,
+    )
+    assert "Workers restarted 1 time(s): resuming" in proc.stderr and "step-00000004 at step 4" in proc.stderr
+    assert losses(tmp_path / CHAPTER) == losses(fsdp_run / CHAPTER)

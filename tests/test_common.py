@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from harness import REPO
 
 from common import DEFAULT_MODEL, latest_checkpoint, load_and_pack, publish_checkpoint
@@ -92,3 +93,56 @@ def test_each_chapter_runs_in_its_own_folder_by_default():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         assert module.get_parser().parse_args([]).experiment_name == chapter.name
+
+
+def test_flops_per_token_counts_every_matmul_once_tied_or_not():
+    """6 FLOPs per matmul weight and token, by hand from the shapes, plus attention (PaLM, app. B)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common import flops_per_token
+
+    config = AutoConfig.from_pretrained(DEFAULT_MODEL)
+    h, kv, inter, vocab, layers = 128, 4 * 16, 384, 512, 4  # hidden, k/v width, MLP, vocab, blocks
+    block = h * h + 2 * h * kv + h * h + 3 * h * inter  # q, k and v, o, gate/up/down
+    attention = 12 * layers * 8 * 16 * 128  # heads x head_dim x seq_length
+    for tied in [False, True]:
+        config.tie_word_embeddings = tied
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        # Tied or not, the output head is a full matmul; the input embedding is a lookup.
+        assert flops_per_token(model, config, 128) == 6 * (layers * block + vocab * h) + attention
+    # Llama-3.2-1B's shape (tied): all 1.236e9 parameters but the norms are matmul weights, the
+    # embedding counted once, as the head; without the head, 21% of the FLOPs would go missing.
+    config = AutoConfig.from_pretrained(REPO / "common" / "llama_1b_shape")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert flops_per_token(model, config, 2048) == 6 * (1_235_814_400 - 33 * 2048) + 12 * 16 * 32 * 64 * 2048
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H200 NVL", 835e12),
+        ("NVIDIA GH200 480GB", 989e12),
+        ("NVIDIA B200", 2.25e15),
+        ("NVIDIA GB200", 2.5e15),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100 80GB PCIe", 312e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA L40", 181e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA A10", 125e12),
+        ("NVIDIA A10G", None),
+        ("NVIDIA H20", None),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_peak_flops_lookup_takes_the_exact_device(name, peak):
+    from common.utils import lookup_peak_flops
+
+    assert lookup_peak_flops(name) == peak

@@ -8,6 +8,15 @@ FAULT_RAISE_AT_STEP=N           raise in the N-th optimizer step, on the rank FA
 FAULT_KILL_AT_STEP=N            SIGKILL in the N-th optimizer step, on the rank FAULT_RANK (default 0).
 
 A fault strikes once: when torchrun restarts the workers (TORCHELASTIC_RESTART_COUNT > 0), none is armed.
+
+Probes, which change nothing the script computes:
+
+PROBE_COMPILE_COUNTS=path       after every optimizer step of rank 0, append to `path` a JSON line
+                                with the frames dynamo has looked at so far and the graphs it has
+                                compiled (a recompile adds a graph).
+PROBE_COMPILE_BACKEND=eager     torch.compile traces with dynamo as usual, then runs the traced graphs
+                                as they are instead of generating kernels: what was traced, and how
+                                often, is the same, in seconds instead of minutes on a small CPU.
 """
 
 import os
@@ -79,3 +88,27 @@ if _step_fault and _first_attempt and _this_rank:
         return _adamw_step(self, *args, **kwargs)
 
     torch.optim.AdamW.step = _step_or_fail
+
+if "PROBE_COMPILE_COUNTS" in os.environ and os.environ.get("RANK", "0") == "0":
+    import json
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    _probe_path = os.environ["PROBE_COMPILE_COUNTS"]
+    _probed_step = torch.optim.AdamW.step
+
+    def _step_and_count(self, *args, **kwargs):
+        result = _probed_step(self, *args, **kwargs)
+        with open(_probe_path, "a") as f:
+            f.write(json.dumps({"frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"]}) + "\n")
+        return result
+
+    torch.optim.AdamW.step = _step_and_count
+
+if "PROBE_COMPILE_BACKEND" in os.environ:
+    import functools
+
+    import torch
+
+    torch.compile = functools.partial(torch.compile, backend=os.environ["PROBE_COMPILE_BACKEND"])
