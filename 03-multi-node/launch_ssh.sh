@@ -16,8 +16,8 @@
 #   REMOTE_SETUP    shell commands each host runs before torchrun (default: put the folder of this
 #                   host's torchrun, i.e. this Python environment, first on PATH), for example
 #                   REMOTE_SETUP='source /shared/venv/bin/activate; module load cuda'
-# Forwarded to every host when set here: NCCL_*, GLOO_*, TORCH_*, HF_*, WANDB_*, OMP_NUM_THREADS. They
-# travel in ssh's input into a file only the user can read, never in a command line: `ps` shows
+# Forwarded to every host when set here: NCCL_*, GLOO_*, TORCH_*, HF_*, WANDB_*, OMP_NUM_THREADS, PYTHONPATH.
+# They travel in ssh's input into a file only the user can read, never in a command line: `ps` shows
 # command lines to every user of a host, and HF_TOKEN or WANDB_API_KEY are secrets.
 # The script gets --device cuda; on CPU-only hosts pass --device cpu among the training flags.
 set -euo pipefail
@@ -30,7 +30,7 @@ rdzv_id=$(date +%s)-$$  # new for every launch, so a stale rendezvous is never j
 
 # See launch.sbatch: a fresh rendezvous store for every restart attempt.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-forwarded=$(env | grep -E '^(NCCL_|GLOO_|TORCH_|HF_|WANDB_|OMP_NUM_THREADS=)' | while IFS= read -r var; do
+forwarded=$(env | grep -E '^(NCCL_|GLOO_|TORCH_|HF_|WANDB_|OMP_NUM_THREADS=|PYTHONPATH=)' | while IFS= read -r var; do
     printf 'export %q\n' "$var"
 done)
 remote_setup=${REMOTE_SETUP:-"export PATH=$(printf %q "$(dirname "$(command -v torchrun)")"):\$PATH"}

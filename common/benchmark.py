@@ -55,7 +55,8 @@ def main() -> None:
             proc.wait()
         elif proc.returncode != 0:
             raise SystemExit(f"error: {script} exited with {proc.returncode}")
-        records = [json.loads(line) for line in next(Path(save_dir).glob("*/metrics.jsonl")).read_text().splitlines()]
+        lines = next(Path(save_dir).glob("*/metrics.jsonl")).read_text().splitlines()
+        records = [r for r in map(json.loads, lines) if "tokens_per_s" in r]  # not the validation records
 
     measured = records[2:] or records
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"

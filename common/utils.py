@@ -1,13 +1,13 @@
-"""Helpers that every chapter uses unchanged: logging, timers, memory, FLOPs, metrics, checkpoint folders."""
+"""Helpers that every chapter uses unchanged: logging, errors, signals, timers, memory, FLOPs, metrics, LR."""
 
-import argparse
+import functools
 import json
 import logging
 import math
 import os
 import re
 import resource
-import shutil
+import signal
 import sys
 import time
 from collections import defaultdict
@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 import tqdm
 import wandb
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+from torch.distributed.elastic.multiprocessing.errors import record as torchrun_record
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +45,109 @@ def rank0_first(local: bool = False):
     it and find everything cached. Without it, every rank would download and tokenize at once.
 
     With `local=True`, local rank 0 of every node goes first: for caches on each node's own disk.
+    If the first ranks stop with an error (a bad --dataset-name, say), the waiting ranks stop with
+    the same message instead of dying of a closed connection: every rank reports what went wrong.
     """
     first = int(os.environ["LOCAL_RANK"]) == 0 if local else dist.get_rank() == 0
-    if not first:
-        dist.barrier()
-    yield
     if first:
-        dist.barrier()
+        try:
+            yield
+        except SystemExit as exit:
+            _raise_if_any_failed(str(exit.code))
+            raise
+        _raise_if_any_failed(None)
+    else:
+        _raise_if_any_failed(None)
+        yield
+
+
+def _raise_if_any_failed(error: str | None) -> None:
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None and error is None:
+        raise SystemExit(failed)
+
+
+def record(main):
+    """torchrun's `@record`, which also records the one-line errors the chapters stop with.
+
+    `@record` writes a failing rank's exception to the error file whose contents torchrun's failure
+    summary prints, the last lines of a failed job; but it lets a `SystemExit` pass unrecorded, and
+    the summary would then say nothing of a bad flag or dataset. This records those too.
+    """
+
+    @functools.wraps(main)
+    def main_recording_exits(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except SystemExit as exit:
+            if isinstance(exit.code, str):
+                get_error_handler().record_exception(exit)
+            raise
+
+    return torchrun_record(main_recording_exits)
+
+
+class StopSignal:
+    """SIGTERM (sent by Slurm before a time limit, by schedulers before a preemption, by torchrun when
+    it stops) or Ctrl-C asks the run to stop: it finishes its step, saves a checkpoint and exits, and
+    rerunning resumes. A second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.name = None
+        self._pending = []  # (pinned host copy, CUDA event) of the last steps' agreements
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.name = signal.Signals(signum).name
+        logger.warning(f"{self.name}: stopping after this step, with a checkpoint")
+
+    def agreed(self, device: torch.device) -> str | None:
+        """In a distributed job: the signal's name once any rank has got one, on every rank at the same step.
+
+        The signal reaches the ranks at different steps, and a rank that stopped alone would leave the
+        others waiting in a collective. So every step all-reduces "has any rank got one?". On a GPU
+        the answer is read one step later, when the GPU has long computed it: waiting for it then
+        never idles the GPU, as reading it at once (a host-device sync every step) would.
+        """
+        flag = torch.tensor(float(self.name is not None), device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if device.type != "cuda":
+            return self.name or ("a signal to another rank" if flag.item() else None)
+        host = torch.empty((), pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        self._pending.append((host, torch.cuda.Event()))
+        self._pending[-1][1].record()
+        if len(self._pending) < 2:
+            return None
+        host, done = self._pending.pop(0)
+        done.synchronize()
+        return self.name or ("a signal to another rank" if host.item() else None)
+
+
+class NonFiniteGuard:
+    """Watches the loss and gradient norm for NaN or Inf without a host-device sync of its own: it notes
+    on the device the first step with a non-finite value, and `check()` reads that where the host
+    waits anyway (at log lines, and before a save, so that a broken model never becomes a checkpoint)."""
+
+    def __init__(self, device: torch.device):
+        self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)
+
+    def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        bad = ~(torch.isfinite(loss.detach()) & torch.isfinite(grad_norm))
+        self.first_bad_step = torch.where(bad & (self.first_bad_step == 0), step, self.first_bad_step)
+
+    def check(self) -> None:
+        step = int(self.first_bad_step)
+        if step:
+            raise SystemExit(
+                f"error: the loss or gradient norm became NaN or Inf at step {step}; no checkpoint was "
+                "saved after it. Lower --lr, or raise --warmup-steps, and rerun: it resumes from the last checkpoint"
+            )
 
 
 class PhaseTimers:
@@ -77,14 +176,15 @@ class PhaseTimers:
             yield
             self._seconds[phase].append(time.perf_counter() - t0)
 
-    def summary(self) -> dict:
-        """Mean milliseconds per step for each phase since the last call, then starts over."""
+    def summary(self, steps: int) -> dict:
+        """Milliseconds per step in each phase since the last call (a phase may run several times in a
+        step: once per micro-batch), then starts over."""
         if self.use_cuda_events:
             torch.cuda.synchronize()
             for phase, pairs in self._events.items():
                 self._seconds[phase] = [start.elapsed_time(end) / 1000 for start, end in pairs]
             self._events.clear()
-        result = {f"time/{phase}_ms": 1000 * sum(s) / len(s) for phase, s in self._seconds.items()}
+        result = {f"time/{phase}_ms": 1000 * sum(s) / steps for phase, s in self._seconds.items()}
         self._seconds.clear()
         return result
 
@@ -101,6 +201,15 @@ def memory_stats(device: torch.device) -> dict:
     # ru_maxrss is in KiB on Linux and in bytes on macOS.
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return {"memory/rss_gib": psutil.Process().memory_info().rss / gib, "memory/peak_rss_gib": peak_rss / gib}
+
+
+def shard_memory(model, optimizer) -> dict:
+    """This rank's share of the weights and of AdamW's moments (sharded: DTensors; the gradients match
+    the weights)."""
+    gib = 2**30
+    params = sum(p.to_local().nbytes for p in model.parameters())
+    moments = sum(v.to_local().nbytes for s in optimizer.state.values() for v in s.values() if isinstance(v, DTensor))
+    return {"memory/params_gib": params / gib, "memory/optimizer_gib": moments / gib}
 
 
 def flops_per_token(model, config, seq_length: int) -> float:
@@ -151,53 +260,36 @@ def lookup_peak_flops(name: str) -> float | None:
     return None
 
 
-def append_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+def log_metrics(metrics: dict, jsonl: Path | None) -> None:
+    """One record (with its "step") to the file `jsonl` (None: not from this rank) and to wandb.
+
+    Slurm sends its stop signal to every process of a job, wandb's service process included: if that
+    has stopped, the metrics still reach the file and training goes on to its checkpoint.
+    """
+    if jsonl is not None:
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+    try:
+        wandb.log(metrics, step=metrics["step"])
+    except (ConnectionError, BrokenPipeError):
+        logger.warning("wandb's service has stopped (a stop signal?): these metrics are in metrics.jsonl only")
 
 
 def wandb_mode() -> str | None:
-    """`WANDB_MODE` when set; otherwise online if a W&B login exists, else offline (never a key prompt)."""
+    """`WANDB_MODE` when set; otherwise online if a W&B login exists and its server answers, else
+    offline, saying why in one line (never a key prompt, never a stall on a node without network)."""
     if os.environ.get("WANDB_MODE"):
         return None  # wandb reads it itself
-    if wandb.login(prompt=False, verify=False):
-        return "online"
-    logger.info("No W&B login found: logging offline. Upload later with `wandb sync`, or `wandb login` first.")
-    return "offline"
-
-
-_CHECKPOINT_NAME = re.compile(r"step-(\d+)")
-
-
-def checkpoint_dir(exp_dir: Path, step: int) -> Path:
-    return exp_dir / "checkpoints" / f"step-{step:08d}"
-
-
-def latest_checkpoint(exp_dir: Path) -> Path | None:
-    """The newest complete checkpoint folder. Unfinished saves (`*.tmp`) don't match and are ignored."""
-    folders = [p for p in (exp_dir / "checkpoints").glob("step-*") if _CHECKPOINT_NAME.fullmatch(p.name)]
-    return max(folders, key=lambda p: int(p.name.removeprefix("step-")), default=None)
-
-
-def publish_checkpoint(tmp_dir: Path, final_dir: Path) -> None:
-    """Makes a fully written `tmp_dir` the checkpoint `final_dir`, atomically, and drops older ones.
-
-    Files are flushed to disk first, so that after a machine crash the renamed folder never holds
-    files whose data did not reach the disk. A rename is atomic: a crash at any point leaves either
-    the old checkpoints or the new one, never a partial one that resume would trust.
-    """
-    for path in [*tmp_dir.rglob("*"), tmp_dir]:
-        fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-    os.replace(tmp_dir, final_dir)
-    fd = os.open(final_dir.parent, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
-    # Older checkpoints are superseded; *.tmp folders are saves that a crash interrupted.
-    for old in final_dir.parent.iterdir():
-        if old != final_dir and (_CHECKPOINT_NAME.fullmatch(old.name) or old.name.endswith(".tmp")):
-            shutil.rmtree(old)
+    if not wandb.login(prompt=False, verify=False):
+        logger.info("No W&B login found: logging offline. Upload later with `wandb sync`, or `wandb login` first.")
+        return "offline"
+    try:
+        wandb.Api(timeout=10).viewer  # one request: does the server answer?
+    except Exception as err:
+        logger.warning(f"W&B login found, but its server cannot be reached ({type(err).__name__}): logging "
+                       "offline. Upload later with `wandb sync`.")
+        return "offline"
+    return "online"
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int):
@@ -210,11 +302,3 @@ def warmup_cosine(warmup_steps: int, total_steps: int):
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
     return lr_factor
-
-
-def positive_int(text: str) -> int:
-    """argparse type for sizes and counts: `--batch-size 0` fails at parse time, naming the flag."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value

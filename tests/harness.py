@@ -14,7 +14,7 @@ VOCAB_SIZE = 512  # of the embedded tiny model
 UNIFORM_LOSS = math.log(VOCAB_SIZE)
 
 # Small and quick, yet every step sees different data and updates every weight.
-FAST_ARGS = ["--batch-size", "4", "--seq-length", "128", "--warmup-steps", "5", "--log-freq", "1"]
+FAST_ARGS = ["--batch-size", "4", "--seq-length", "128", "--warmup-steps", "5", "--log-freq", "1", "--eval-every", "6"]
 
 
 def chapter_env(hf_home: Path, env: dict | None = None, faults: dict | None = None) -> dict:
@@ -31,6 +31,7 @@ def chapter_env(hf_home: Path, env: dict | None = None, faults: dict | None = No
         "TOKENIZERS_PARALLELISM": "false",
         **(env or {}),
     }
+    full_env = {k: v for k, v in full_env.items() if v is not None}  # None in `env` unsets a variable
     if faults:
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), full_env.get("PYTHONPATH")]))
         full_env.update({k: str(v) for k, v in faults.items()})
@@ -73,20 +74,32 @@ def run_chapter(
 
 
 def read_metrics(exp_dir: Path) -> dict[int, dict]:
-    """metrics.jsonl by step. A resumed run logs again the steps after its checkpoint: the last entry wins."""
-    records = [json.loads(line) for line in (exp_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in records}
+    """metrics.jsonl by step, training and validation records of a step merged. A resumed run logs
+    again the steps after its checkpoint: the last entry wins."""
+    metrics = {}
+    for line in (exp_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        metrics.setdefault(record["step"], {}).update(record)
+    return metrics
 
 
-def losses(exp_dir: Path) -> list[float]:
+def losses(exp_dir: Path, key: str = "loss") -> list[float]:
+    """The logged `key` of every step that has it; for the training loss, every step must."""
     metrics = read_metrics(exp_dir)
-    assert sorted(metrics) == list(range(1, len(metrics) + 1)), f"steps missing from metrics: {sorted(metrics)}"
-    return [metrics[step]["loss"] for step in sorted(metrics)]
+    steps = sorted(step for step in metrics if key in metrics[step])
+    if key == "loss":
+        assert steps == list(range(1, len(steps) + 1)), f"steps missing from metrics: {steps}"
+    return [metrics[step][key] for step in steps]
 
 
 def last_line(text: str) -> str:
     lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else ""
+
+
+def last_lines(text: str, count: int = 5) -> str:
+    """The last lines a user reads: under torchrun, its failure summary ends with the root cause."""
+    return "\n".join([line for line in text.splitlines() if line.strip()][-count:])
 
 
 def wandb_run_record(run_dir: Path):

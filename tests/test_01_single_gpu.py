@@ -1,6 +1,9 @@
 import json
 import math
+import os
 import shutil
+import subprocess
+import time
 
 import pytest
 from harness import (
@@ -30,6 +33,8 @@ def test_default_run_learns(tmp_path, hf_home):
     assert {"time/data_ms", "time/forward_ms", "time/backward_ms", "time/optimizer_ms"} <= metrics[60].keys()
     assert (tmp_path / CHAPTER / "checkpoints" / "step-00000060" / "model.pt").exists()
     assert list((tmp_path / CHAPTER / "wandb").glob("offline-run-*")), "wandb should log offline"
+    # Validated at the end, on held-out rows: close to the training loss, since the task data is regular.
+    assert abs(metrics[60]["val_loss"] - last) < 0.5
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +64,8 @@ def test_exact_resume_after_kill(tmp_path, hf_home, straight_losses):
 
 def test_compile_traces_the_model_once(tmp_path, hf_home, straight_losses):
     graphs = compiled_graphs(CHAPTER, tmp_path, hf_home, *FAST_ARGS, "--max-steps", str(STEPS))
-    assert graphs == [1] * STEPS, "one graph for the whole model, compiled in the first step and never again"
+    # One graph for training (step 1) and one for evaluation (after step 6), never another.
+    assert graphs == [1] * 6 + [2] * (STEPS - 6), graphs
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), straight_losses)) <= 1e-5
 
 
@@ -69,7 +75,7 @@ def test_first_log_line_after_a_resume_averages_the_same_steps(tmp_path, hf_home
     args = [*FAST_ARGS, "--log-freq", "4", "--ckpt-freq", "6", "--max-steps", str(STEPS), "--save-dir", str(tmp_path)]
     run_chapter(CHAPTER, *args, hf_home=hf_home, faults={"FAULT_KILL_AFTER_CHECKPOINT": 1}, check=False)
     run_chapter(CHAPTER, *args, hf_home=hf_home)
-    logged = read_metrics(tmp_path / CHAPTER)
+    logged = {step: m for step, m in read_metrics(tmp_path / CHAPTER).items() if "loss" in m}
     assert sorted(logged) == [4, 8, 12]
     for step in logged:
         assert logged[step]["loss"] == pytest.approx(sum(straight_losses[step - 4 : step]) / 4, abs=1e-6), step
@@ -85,7 +91,8 @@ def test_kill_while_saving_resumes_from_previous_checkpoint(tmp_path, hf_home, s
     resumed = run_chapter(CHAPTER, *args, hf_home=hf_home)
     assert "at step 4" in resumed.stderr
     assert losses(tmp_path / CHAPTER) == straight_losses
-    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step-{STEPS:08d}"], "stale saves are cleaned up"
+    # The newest 2 (--keep-checkpoints) remain; the interrupted save was cleaned up and never counted.
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000008", f"step-{STEPS:08d}"]
 
 
 def test_rerunning_a_finished_run_does_nothing(tmp_path, hf_home, straight_run):
@@ -104,27 +111,49 @@ def _json_folder_without_text(tmp_path):
     return str(folder)
 
 
+def _a_file(tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    return str(tmp_path / "a_file")
+
+
+def _bert_config(tmp_path):
+    folder = tmp_path / "bert"
+    shutil.copytree(REPO / "common" / "tiny_llama", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    return str(folder)
+
+
+# A sample of each kind, end to end; tests/test_bad_input.py checks every case of each kind in-process.
 @pytest.mark.parametrize(
     "args, flag",
     [
         (["--dataset-name", "/no/such/dataset"], "--dataset-name"),
+        (["--dataset-name", "no_such_dataset"], "--dataset-name"),  # a Hub name, offline
         (["--dataset-name", _json_folder_without_text], "--dataset-name"),
         (["--model-name", "/no/such/model"], "--model-name"),
+        (["--model-name", _bert_config], "--model-name"),
         (["--from-pretrained"], "--from-pretrained"),  # the embedded default has a config but no weights
-        (["--batch-size", "0"], "--batch-size"),
+        (["--lr", "inf"], "--lr"),
         (["--seq-length", "1024"], "--seq-length"),
         (["--batch-size", "100000"], "--batch-size"),
+        (["--save-dir", _a_file], "--save-dir"),
     ],
-    ids=["missing-dataset", "no-text-column", "missing-model", "no-weights", "zero-batch", "too-long", "huge-batch"],
+    ids=["missing-dataset", "hub-dataset-offline", "no-text-column", "missing-model", "bert", "no-weights", "lr-inf",
+         "too-long", "huge-batch", "save-dir-is-a-file"],
 )
 def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, hf_home, args, flag):
     args = [arg(tmp_path) if callable(arg) else arg for arg in args]
-    save_dir = tmp_path / "outputs"
-    proc = run_chapter(CHAPTER, *args, "--save-dir", str(save_dir), hf_home=hf_home, check=False)
+    if "--save-dir" not in args:
+        args += ["--save-dir", str(tmp_path / "outputs")]
+    before = sorted(tmp_path.rglob("*"))
+    start = time.time()
+    proc = run_chapter(CHAPTER, *args, hf_home=hf_home, check=False)
     assert proc.returncode != 0
-    assert flag in last_line(proc.stderr), proc.stderr[-3000:]
+    assert time.time() - start < 60, "bad input must fail fast, not hang"
+    assert last_line(proc.stderr).startswith("error: ") and flag in last_line(proc.stderr), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert not save_dir.exists()
+    assert sorted(tmp_path.rglob("*")) == before, "nothing written"
 
 
 def test_corrupt_checkpoint_fails_clearly_and_writes_nothing(tmp_path, hf_home, straight_run):
@@ -139,6 +168,90 @@ def test_corrupt_checkpoint_fails_clearly_and_writes_nothing(tmp_path, hf_home, 
     assert proc.returncode != 0
     assert f"step-{STEPS:08d}" in last_line(proc.stderr) and "--experiment-name" in last_line(proc.stderr)
     assert sorted((p, p.stat().st_mtime_ns) for p in exp_dir.rglob("*")) == before
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--batch-size", "2"], "global_batch_rows 4 -> 2"),
+        (["--seq-length", "64"], "seq_length 128 -> 64"),
+        (["--model-name", "wide_model"], "holds a model of another shape than --model-name (size mismatch for"),
+    ],
+    ids=["batch-size", "seq-length", "model-shape"],
+)
+def test_resume_with_another_layout_or_model_fails_clearly(tmp_path, hf_home, straight_run, args, words):
+    """The data position counts global batches of rows of one length: another batch or length would
+    resume at the wrong rows and LR. A checkpoint of another model's shapes is named as such."""
+    exp_dir = tmp_path / CHAPTER
+    shutil.copytree(straight_run, exp_dir)
+    if "wide_model" in args:
+        shutil.copytree(REPO / "common" / "tiny_llama", tmp_path / "wide_model")
+        config = json.loads((tmp_path / "wide_model" / "config.json").read_text())
+        (tmp_path / "wide_model" / "config.json").write_text(json.dumps({**config, "intermediate_size": 256}))
+        args = ["--model-name", str(tmp_path / "wide_model")]
+    before = sorted((p, p.stat().st_mtime_ns) for p in exp_dir.rglob("*"))
+    proc = run_chapter(CHAPTER, *FAST_ARGS, "--max-steps", str(2 * STEPS), *args, "--save-dir", str(tmp_path),
+                       hf_home=hf_home, check=False)
+    assert proc.returncode != 0 and words in last_line(proc.stderr), proc.stderr[-3000:]
+    assert sorted((p, p.stat().st_mtime_ns) for p in exp_dir.rglob("*")) == before
+
+
+def test_gradient_accumulation_equals_the_big_batch(tmp_path, hf_home, straight_losses):
+    """2 micro-batches of 2 rows give the gradients of one batch of 4 (FAST_ARGS). The same run keeps
+    the newest 3 checkpoints, and logs offline when W&B has a key but no server to reach."""
+    args = [*FAST_ARGS, "--batch-size", "2", "--grad-accum-steps", "2", "--max-steps", str(STEPS)]
+    args += ["--ckpt-freq", "2", "--keep-checkpoints", "3", "--save-dir", str(tmp_path)]
+    no_network = {"WANDB_MODE": None, "WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9"}
+    proc = run_chapter(CHAPTER, *args, hf_home=hf_home, env=no_network)
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), straight_losses)) <= 1e-5
+    checkpoints = sorted(p.name for p in (tmp_path / CHAPTER / "checkpoints").iterdir())
+    assert checkpoints == ["step-00000008", "step-00000010", "step-00000012"]
+    assert "W&B login found, but its server cannot be reached" in proc.stderr
+    assert list((tmp_path / CHAPTER / "wandb").glob("offline-run-*"))
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, hf_home):
+    # A weight becomes NaN after step 6: the loss of step 7 is NaN, seen at step 7's log line.
+    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", "4", "--save-dir", str(tmp_path)]
+    proc = run_chapter(CHAPTER, *args, hf_home=hf_home, faults={"FAULT_NAN_AT_STEP": 6}, check=False)
+    assert proc.returncode != 0
+    assert "the loss or gradient norm became NaN or Inf at step 7" in last_line(proc.stderr), proc.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / CHAPTER / "checkpoints").iterdir()) == ["step-00000004"]
+    assert max(read_metrics(tmp_path / CHAPTER)) == 6, "no NaN is logged as a loss"
+
+
+def test_ctrl_c_saves_and_the_rerun_resumes_exactly(tmp_path, hf_home, straight_losses):
+    # SIGINT (Ctrl-C) in step 5: the step completes, a checkpoint is saved, the run says how to go on.
+    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--save-dir", str(tmp_path)]
+    faults = {"FAULT_SIGNAL_AT_STEP": 5, "FAULT_SIGNAL": "INT"}
+    stopped = run_chapter(CHAPTER, *args, hf_home=hf_home, faults=faults)
+    assert "Stopped by SIGINT at step 5: rerun the same command to resume" in last_line(stopped.stderr)
+    assert "Traceback" not in stopped.stderr
+    resumed = run_chapter(CHAPTER, *args, hf_home=hf_home)
+    assert "at step 5" in resumed.stderr
+    assert losses(tmp_path / CHAPTER) == straight_losses
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB file system: room for one checkpoint of the tiny model (11 MiB), not for two."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_while_saving_fails_clearly_and_keeps_the_last_checkpoint(small_disk, hf_home):
+    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", "4", "--save-dir", str(small_disk)]
+    proc = run_chapter(CHAPTER, *args, hf_home=hf_home, env={"WANDB_MODE": "disabled"}, check=False)
+    assert proc.returncode != 0
+    assert last_line(proc.stderr).startswith("error: no space left on the device of"), proc.stderr[-2000:]
+    assert "while saving step 8; the checkpoint of step 4 is intact" in last_line(proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (small_disk / CHAPTER / "checkpoints").iterdir()) == ["step-00000004"]
 
 
 def test_local_dataset_folder(tmp_path, hf_home):

@@ -1,9 +1,19 @@
 import json
 import re
+import shutil
 import time
 
 import pytest
-from harness import FAST_ARGS, compiled_graphs, losses, read_metrics, run_chapter, wandb_run_record
+from harness import (
+    FAST_ARGS,
+    compiled_graphs,
+    last_line,
+    last_lines,
+    losses,
+    read_metrics,
+    run_chapter,
+    wandb_run_record,
+)
 
 CHAPTER = "02-multi-gpu"
 STEPS = 12
@@ -19,13 +29,35 @@ def straight_run(tmp_path_factory, hf_home):
     return save_dir / "ddp"
 
 
-def test_matches_chapter_01_with_the_same_global_batch(tmp_path, hf_home, straight_run):
-    # 2 ranks x 4 rows per step are the same 8 rows per step that chapter 01 trains on.
-    args = [*FAST_ARGS, "--batch-size", str(4 * RANKS), "--max-steps", str(STEPS), "--save-dir", str(tmp_path)]
+@pytest.fixture(scope="module")
+def chapter_01_run(tmp_path_factory, hf_home):
+    """Chapter 01 with the global batch of RANKS ranks x 4 rows."""
+    save_dir = tmp_path_factory.mktemp("chapter_01")
+    args = [*FAST_ARGS, "--batch-size", str(4 * RANKS), "--max-steps", str(STEPS), "--save-dir", str(save_dir)]
     run_chapter("01-single-gpu", *args, hf_home=hf_home)
-    single, ddp = losses(tmp_path / "01-single-gpu"), losses(straight_run)
+    return save_dir / "01-single-gpu"
+
+
+def test_matches_chapter_01_with_the_same_global_batch(chapter_01_run, straight_run):
+    # 2 ranks x 4 rows per step are the same 8 rows per step that chapter 01 trains on; the
+    # validation loss is each rank's share of the held-out rows, all-reduced.
+    single, ddp = losses(chapter_01_run), losses(straight_run)
     assert len(ddp) == STEPS >= 10
     assert max(abs(a - b) for a, b in zip(single, ddp)) <= 1e-5, (single, ddp)
+    single_val, ddp_val = losses(chapter_01_run, "val_loss"), losses(straight_run, "val_loss")
+    assert len(ddp_val) == 2 and max(abs(a - b) for a, b in zip(single_val, ddp_val)) <= 1e-5
+
+
+def test_gradient_accumulation_all_reduces_once_per_step(tmp_path, hf_home, chapter_01_run):
+    """2 ranks x 2 micro-batches of 2 rows equal chapter 01's batch of 8; no_sync keeps DDP from
+    all-reducing after the first micro-batch, so each step all-reduces each gradient bucket once."""
+    args = [*FAST_ARGS, "--batch-size", "2", "--grad-accum-steps", "2", "--max-steps", str(STEPS)]
+    probe = tmp_path / "reductions.jsonl"
+    run_chapter(CHAPTER, *args, "--save-dir", str(tmp_path), nproc=RANKS, hf_home=hf_home,
+                faults={"PROBE_GRADIENT_REDUCTIONS": probe})
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(chapter_01_run))) <= 1e-5
+    buckets = [json.loads(line)["ddp_buckets"] for line in probe.read_text().splitlines()]
+    assert len(buckets) == STEPS and all(b and sorted(b) == sorted(set(b)) for b in buckets), buckets
 
 
 def test_exact_resume_on_2_ranks(tmp_path, hf_home, straight_run):
@@ -49,7 +81,8 @@ def test_first_log_line_after_a_resume_averages_the_same_steps(tmp_path, hf_home
     faults = {"FAULT_KILL_AFTER_CHECKPOINT": 1}
     run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home, faults=faults, check=False)
     run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home)
-    logged, straight = read_metrics(tmp_path / "ddp"), losses(straight_run)
+    logged = {step: m for step, m in read_metrics(tmp_path / "ddp").items() if "loss" in m}
+    straight = losses(straight_run)
     assert sorted(logged) == [4, 8, 12]
     for step in logged:
         assert logged[step]["loss"] == pytest.approx(sum(straight[step - 4 : step]) / 4, abs=1e-6), step
@@ -58,7 +91,8 @@ def test_first_log_line_after_a_resume_averages_the_same_steps(tmp_path, hf_home
 def test_compile_traces_the_ddp_model_once(tmp_path, hf_home, straight_run):
     args = [*FAST_ARGS, "--max-steps", str(STEPS), "--experiment-name", "ddp"]
     graphs = compiled_graphs(CHAPTER, tmp_path, hf_home, *args, nproc=RANKS)
-    assert graphs == [1] * STEPS, "one graph for the DDP model, compiled in the first step and never again"
+    # One graph for training (step 1) and one for evaluation (after step 6), never another.
+    assert graphs == [1] * 6 + [2] * (STEPS - 6), graphs
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / "ddp"), losses(straight_run))) <= 1e-5
 
 
@@ -118,5 +152,74 @@ def test_batch_too_large_for_the_ranks_fails_clearly(tmp_path, hf_home):
         CHAPTER, "--batch-size", "6000", "--save-dir", str(save_dir), nproc=RANKS, hf_home=hf_home, check=False, timeout=120
     )
     assert proc.returncode != 0
-    assert "error: --batch-size 6000 on 2 ranks is larger than the dataset" in proc.stderr
+    assert "error: --batch-size 6000 x --grad-accum-steps 1 on 2 ranks is larger than the dataset" in proc.stderr
     assert not save_dir.exists()
+
+
+@pytest.mark.parametrize("to_torchrun", [False, True], ids=["to-rank-1", "to-torchrun"])
+def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path, hf_home, straight_run, to_torchrun):
+    """SIGTERM in step 5, to rank 1 alone (rank 0 learns of it through the step's all-reduce of
+    the stop flag) or to torchrun (which passes it to every rank): all stop after the same step,
+    save, and the rerun continues as if nothing happened."""
+    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--experiment-name", "ddp", "--save-dir", str(tmp_path)]
+    faults = {"FAULT_SIGNAL_AT_STEP": 5, "FAULT_RANK": 1, **({"FAULT_SIGNAL_PARENT": 1} if to_torchrun else {})}
+    stopped = run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home, faults=faults, check=False)
+    [checkpoint] = (tmp_path / "ddp" / "checkpoints").iterdir()
+    step = int(checkpoint.name.removeprefix("step-"))
+    assert 5 <= step < STEPS and f"at step {step}: rerun the same command to resume" in stopped.stderr
+    if not to_torchrun:
+        assert stopped.returncode == 0 and step == 5  # a clean stop, agreed in the step of the signal
+    resumed = run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home)
+    assert f"at step {step}" in resumed.stderr
+    assert losses(tmp_path / "ddp") == losses(straight_run)
+
+
+def _corrupt_copy(tmp_path, straight_run):
+    shutil.copytree(straight_run, tmp_path / "ddp")
+    model_file = next((tmp_path / "ddp" / "checkpoints").iterdir()) / "model.pt"
+    model_file.write_bytes(model_file.read_bytes()[:1000])
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lr", "inf"], "error: argument --lr: must be a finite number > 0, got inf"),
+        (["--dataset-name", "/no/such/data"], "error: --dataset-name '/no/such/data': no such file or folder"),
+        (["--save-dir", _corrupt_copy], "cannot be loaded"),
+    ],
+    ids=["bad-flag", "bad-dataset", "corrupt-checkpoint"],
+)
+def test_errors_are_the_last_lines_under_torchrun(tmp_path, hf_home, straight_run, args, message):
+    """Every rank detects the error (rank 0 tells the others when only it could), and torchrun's
+    failure summary, the last lines of a failed job, quotes it."""
+    args = [arg(tmp_path, straight_run) if callable(arg) else arg for arg in args]
+    if "--save-dir" not in args:
+        args += ["--save-dir", str(tmp_path / "out")]
+    start = time.time()
+    proc = run_chapter(CHAPTER, *FAST_ARGS, *args, "--experiment-name", "ddp", nproc=RANKS, hf_home=hf_home,
+                       check=False, timeout=240)
+    assert proc.returncode != 0 and time.time() - start < 120
+    assert message in last_lines(proc.stderr), last_lines(proc.stderr)
+    # Each rank stopped with the message itself (none died of a closed connection).
+    assert proc.stderr.count(message) >= RANKS and "Connection closed" not in proc.stderr
+
+
+def test_plain_python_says_how_to_launch(tmp_path, hf_home):
+    proc = run_chapter(CHAPTER, "--save-dir", str(tmp_path / "out"), hf_home=hf_home, check=False)
+    assert proc.returncode != 0
+    assert "error: start this chapter with torchrun --standalone --nproc-per-node 2" in last_line(proc.stderr)
+
+
+def test_resume_on_other_ranks_with_the_same_global_batch(tmp_path, hf_home, straight_run):
+    """The data position counts global batches: 1 rank x 8 rows resumes 2 ranks x 4 rows, while
+    another global batch is refused."""
+    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--experiment-name", "ddp", "--ckpt-freq", "6"]
+    args += ["--save-dir", str(tmp_path)]
+    faults = {"FAULT_KILL_AFTER_CHECKPOINT": 1}
+    run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home, faults=faults, check=False)
+    refused = run_chapter(CHAPTER, *args, "--batch-size", "2", nproc=RANKS, hf_home=hf_home, check=False)
+    assert "global_batch_rows 8 -> 4" in last_lines(refused.stderr), refused.stderr[-2000:]
+    resumed = run_chapter(CHAPTER, *args, "--batch-size", "8", nproc=1, hf_home=hf_home)
+    assert "at step 6" in resumed.stderr
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / "ddp"), losses(straight_run))) <= 1e-5

@@ -201,7 +201,7 @@ def test_slurm_job_matches_one_node(tmp_path, hf_home, slurm, one_node_losses, c
     start = time.time()
     # CPU nodes, as the script's header says: no GPUs asked for, and --device cpu for the script.
     job = slurm.sbatch(
-        "--time=5",
+        "--time=10",  # the stop signal comes 5 minutes before the limit
         "--gpus-per-node=0",
         f"{CHAPTER}/launch.sbatch",
         *ARGS,
@@ -218,6 +218,42 @@ def test_slurm_job_matches_one_node(tmp_path, hf_home, slurm, one_node_losses, c
     assert "2 nodes (node[1-2])" in job_output
     assert [p.name.split("-")[0] for p in node_logs] == ["0", "1"], "one log per node"
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / "out" / chapter), one_node_losses)) <= 1e-5
+
+
+def test_slurm_time_limit_stops_with_a_checkpoint_and_requeues(tmp_path, hf_home, slurm):
+    """What Slurm does 5 minutes before the time limit (launch.sbatch's --signal), done by hand: SIGTERM
+    to the batch script. The training saves and stops, the job requeues itself and resumes, and the
+    losses are those of an uninterrupted run."""
+    steps = 24
+    args = [*FAST_ARGS, "--max-steps", str(steps), "--device", "cpu"]
+    run_chapter(CHAPTER, *args, "--save-dir", str(tmp_path / "reference"), nproc=2, hf_home=hf_home)
+    (tmp_path / CHAPTER).symlink_to(REPO / CHAPTER)
+    env = {**chapter_env(hf_home), "NPROC_PER_NODE": "1"}
+    job = slurm.sbatch("--time=10", "--gpus-per-node=0", f"{CHAPTER}/launch.sbatch", *args,
+                       "--save-dir", str(tmp_path / "out"), cwd=tmp_path, env=env)
+    metrics = tmp_path / "out" / CHAPTER / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert time.time() < deadline, "the job did not start training"
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=TERM", "--batch", job], env=slurm.env, check=True)
+    deadline = time.time() + 240
+    while True:
+        show = subprocess.run(["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True, text=True)
+        state = dict(field.split("=", 1) for field in show.stdout.split() if "=" in field)
+        if state["JobState"] == "COMPLETED" and int(state["Restarts"]) > 0:
+            break
+        if state["Reason"] == "BeginTime":  # Slurm delays a requeued job's start by minutes: not a test's
+            subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], env=slurm.env, check=True)
+        assert time.time() < deadline, state  # on its way it passes through FAILED, REQUEUED, PENDING
+        time.sleep(0.5)
+    job_output = (tmp_path / f"train-llm-{job}.out").read_text()
+    logs = "".join(p.read_text() for p in (tmp_path / "logs" / f"train-llm-{job}").glob("*.log"))
+    assert "SIGTERM: the training stops with a checkpoint" in job_output and "Requeued" in job_output, job_output
+    stopped = re.search(r"Stopped by SIGTERM at step (\d+)", logs)
+    assert stopped and f"at step {stopped.group(1)}" in logs.split("Stopped by SIGTERM")[1], logs[-3000:]
+    assert f"Done: {steps} steps" in logs
+    assert losses(tmp_path / "out" / CHAPTER) == losses(tmp_path / "reference" / CHAPTER)
 
 
 def test_launchers_refuse_to_train_on_cpu_when_gpus_are_hidden(tmp_path, hf_home):

@@ -1,8 +1,9 @@
+import json
 import shutil
 
 import pytest
 import torch
-from harness import FAST_ARGS, REPO, UNIFORM_LOSS, compiled_graphs, losses, read_metrics, run_chapter
+from harness import FAST_ARGS, REPO, UNIFORM_LOSS, compiled_graphs, last_lines, losses, read_metrics, run_chapter
 
 CHAPTER = "04-fsdp"
 STEPS = 12
@@ -32,13 +33,28 @@ def test_matches_ddp(ddp_run, fsdp_run):
     for step in ddp:
         assert abs(ddp[step]["loss"] - fsdp[step]["loss"]) <= 1e-5, step
         assert ddp[step]["grad_norm"] == pytest.approx(fsdp[step]["grad_norm"], rel=1e-4), step
+    # The validation loss too: each rank evaluates its share of the held-out rows through FSDP.
+    assert [fsdp[6]["val_loss"], fsdp[12]["val_loss"]] == pytest.approx([ddp[6]["val_loss"], ddp[12]["val_loss"]], abs=1e-5)
+
+
+def test_gradient_accumulation_reduce_scatters_once_per_step(tmp_path, hf_home, fsdp_run):
+    """2 ranks x 2 micro-batches of 2 rows equal 2 ranks x 4 rows. set_requires_gradient_sync keeps
+    FSDP from reduce-scattering after the first micro-batch: once per step for each of the 5 units
+    it shards (4 blocks and the root)."""
+    probe = tmp_path / "reductions.jsonl"
+    args = [*ARGS, "--batch-size", "2", "--grad-accum-steps", "2", "--save-dir", str(tmp_path)]
+    run_chapter(CHAPTER, *args, nproc=2, hf_home=hf_home, faults={"PROBE_GRADIENT_REDUCTIONS": probe})
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(fsdp_run / CHAPTER))) <= 1e-5
+    reduce_scatters = [json.loads(line)["reduce_scatters"] for line in probe.read_text().splitlines()]
+    assert reduce_scatters == [5] * STEPS, reduce_scatters
 
 
 def test_compile_traces_every_block_with_no_recompiles(tmp_path, hf_home, fsdp_run):
     # The four blocks share one graph: without the KV cache, nothing differs between them for
     # dynamo to guard on (with it, each block recompiled: 4 graphs, and at most 8 on a big model).
     graphs = compiled_graphs(CHAPTER, tmp_path, hf_home, *ARGS, nproc=2)
-    assert graphs == [1] * STEPS, "every block compiled in the first step, and nothing compiled again"
+    # One graph for training (step 1) and one for evaluation (after step 6), never another.
+    assert graphs == [1] * 6 + [2] * (STEPS - 6), graphs
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(fsdp_run / CHAPTER))) <= 1e-5
 
 
@@ -88,12 +104,42 @@ def test_resume_skips_the_interrupted_save_and_reshards(tmp_path, hf_home, inter
     assert metrics["memory/params_gib"] * 2**30 == pytest.approx(NUM_PARAMS * 4 / nproc, rel=0.05)
 
 
-def test_resume_with_another_global_batch_fails_clearly(tmp_path, hf_home, interrupted_run):
-    shutil.copytree(interrupted_run, tmp_path / CHAPTER)
-    args = [*ARGS, "--batch-size", "4", "--save-dir", str(tmp_path)]
-    proc = run_chapter(CHAPTER, *args, nproc=1, hf_home=hf_home, check=False)
+def _damage(name=None):
+    """A copy of the interrupted run whose checkpoint's file `name` is cut in half."""
+
+    def damage(tmp_path, interrupted_run):
+        shutil.copytree(interrupted_run, tmp_path / CHAPTER)
+        if name:
+            path = tmp_path / CHAPTER / "checkpoints" / "step-00000004" / name
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        return str(tmp_path)
+
+    return damage
+
+
+def _a_file(tmp_path, interrupted_run):
+    (tmp_path / "a_file").write_text("not a folder")
+    return str(tmp_path / "a_file")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch-size", "2", "--save-dir", _damage()], "global_batch_rows 8 -> 4"),
+        (["--save-dir", _damage("__1_0.distcp")], "step-00000004 cannot be loaded"),
+        (["--save-dir", _damage(".metadata")], "step-00000004 cannot be loaded"),
+        (["--export-hf", _a_file], "is a file: pass a folder to export into"),
+    ],
+    ids=["another-global-batch", "damaged-shard", "damaged-metadata", "export-to-a-file"],
+)
+def test_errors_are_the_last_lines_under_torchrun(tmp_path, hf_home, interrupted_run, args, message):
+    """DCP's own exception (no Exception subclass) included: one line, quoted by torchrun's summary."""
+    args = [arg(tmp_path, interrupted_run) if callable(arg) else arg for arg in args]
+    if "--save-dir" not in args:
+        args += ["--save-dir", str(tmp_path / "out")]
+    proc = run_chapter(CHAPTER, *ARGS, *args, nproc=2, hf_home=hf_home, check=False)
     assert proc.returncode != 0
-    assert "was trained with a global batch of 8 rows; --batch-size 4 on 1 ranks gives 4" in proc.stderr
+    assert message in last_lines(proc.stderr), last_lines(proc.stderr)
 
 
 def test_exported_model_loads_and_matches_the_checkpoint(fsdp_run):

@@ -21,7 +21,8 @@ def test_packing_keeps_every_token_in_order(tmp_path, monkeypatch):
     (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
 
-    packed = load_and_pack(str(tmp_path / "data"), tokenizer, seq_length=16)
+    packed, no_validation = load_and_pack(str(tmp_path / "data"), tokenizer, seq_length=16, val_fraction=0.0)
+    assert no_validation is None
 
     stream = [t for d in docs for t in tokenizer(d)["input_ids"] + [tokenizer.eos_token_id]]
     rows = packed[:]  # a dict of (rows, 16) tensors
@@ -29,6 +30,28 @@ def test_packing_keeps_every_token_in_order(tmp_path, monkeypatch):
     assert rows["input_ids"].shape == (len(packed), 16)
     assert rows["input_ids"].flatten().tolist() == stream[: len(packed) * 16]
     assert rows["labels"].equal(rows["input_ids"])  # the model shifts labels itself
+
+
+def test_validation_rows_are_held_out_of_training(tmp_path, monkeypatch):
+    """Without a validation split, the last --val-fraction of the packed rows: training never sees them."""
+    from transformers import AutoTokenizer
+
+    from common import DEFAULT_DATASET
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    everything, _ = load_and_pack(DEFAULT_DATASET, tokenizer, seq_length=128, val_fraction=0.0)
+    train, val = load_and_pack(DEFAULT_DATASET, tokenizer, seq_length=128, val_fraction=0.01)
+    assert len(val) == -(-len(everything) // 100) and len(train) + len(val) == len(everything)
+    assert train[:]["input_ids"].equal(everything[: len(train)]["input_ids"])
+    assert val[:]["input_ids"].equal(everything[len(train) :]["input_ids"])
+    # A dataset's own validation split is used as it is, and the training split kept whole.
+    (tmp_path / "data").mkdir()
+    for split, count in [("train", 300), ("validation", 40)]:
+        rows = [json.dumps({"text": f"{split} document {i}: " + "word " * (i % 9)}) for i in range(count)]
+        (tmp_path / "data" / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
+    train, val = load_and_pack(str(tmp_path / "data"), tokenizer, seq_length=16, val_fraction=0.5)
+    assert len(val) < len(train) and tokenizer.decode(val[0]["input_ids"]).startswith("<s>validation document 0")
 
 
 def test_checkpoint_folders(tmp_path):
@@ -42,8 +65,8 @@ def test_checkpoint_folders(tmp_path):
     staged = checkpoints / "step-00000014.tmp"
     staged.mkdir()
     (staged / "state.json").write_text('{"global_step": 14}')
-    publish_checkpoint(staged, checkpoints / "step-00000014")
-    assert [p.name for p in checkpoints.iterdir()] == ["step-00000014"]
+    publish_checkpoint(staged, checkpoints / "step-00000014", keep=2)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000010", "step-00000014"]
     assert (latest_checkpoint(tmp_path) / "state.json").read_text() == '{"global_step": 14}'
 
 
@@ -146,3 +169,41 @@ def test_peak_flops_lookup_takes_the_exact_device(name, peak):
     from common.utils import lookup_peak_flops
 
     assert lookup_peak_flops(name) == peak
+
+
+def test_adamw_decays_the_weight_matrices_only_and_fsdp_keeps_the_groups():
+    """Decay on the linear layers' and embedding's weights; none on norms (the tiny Llama has no
+    biases). fully_shard turns the parameters into DTensors of the same full shape: same groups."""
+    import torch.distributed as dist
+    from harness import free_port
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common import adamw_param_groups, transformer_blocks
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEFAULT_MODEL))
+    names = {id(p): name for name, p in model.named_parameters()}
+
+    def grouped(model):
+        decay, no_decay = adamw_param_groups(model, 0.1)
+        assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+        return [sorted(names[id(p)] for p in group["params"]) for group in (decay, no_decay)]
+
+    decay, no_decay = grouped(model)
+    assert all(name.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight")) for name in decay)
+    assert all(name.endswith("norm.weight") for name in no_decay) and len(no_decay) == 2 * 4 + 1
+    assert len(decay) + len(no_decay) == len(names)
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for block in transformer_blocks(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        names = {id(p): name for name, p in model.named_parameters()}
+        assert all(type(p).__name__ == "DTensor" for p in model.parameters())
+        assert grouped(model) == [decay, no_decay]
+    finally:
+        dist.destroy_process_group()

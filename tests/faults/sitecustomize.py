@@ -6,6 +6,10 @@ FAULT_KILL_AFTER_CHECKPOINT=N   SIGKILL this process right after its N-th checkp
 FAULT_KILL_DURING_CHECKPOINT=N  SIGKILL this process half-way through a file of its N-th checkpoint.
 FAULT_RAISE_AT_STEP=N           raise in the N-th optimizer step, on the rank FAULT_RANK (default 0).
 FAULT_KILL_AT_STEP=N            SIGKILL in the N-th optimizer step, on the rank FAULT_RANK (default 0).
+FAULT_NAN_AT_STEP=N             after the N-th optimizer step of rank FAULT_RANK, a weight becomes NaN.
+FAULT_SIGNAL_AT_STEP=N          in the N-th optimizer step of rank FAULT_RANK, send FAULT_SIGNAL (default
+                                TERM) to this process, or with FAULT_SIGNAL_PARENT=1 to its parent
+                                (torchrun): as a scheduler would, at a step boundary that tests can name.
 
 A fault strikes once: when torchrun restarts the workers (TORCHELASTIC_RESTART_COUNT > 0), none is armed.
 
@@ -70,7 +74,10 @@ if "FAULT_KILL_DURING_CHECKPOINT" in os.environ and _first_attempt:
 
     torch.save = _save_or_die_half_way
 
-_step_fault = next((k for k in ["FAULT_RAISE_AT_STEP", "FAULT_KILL_AT_STEP"] if k in os.environ), None)
+_step_fault = next(
+    (k for k in ["FAULT_RAISE_AT_STEP", "FAULT_KILL_AT_STEP", "FAULT_NAN_AT_STEP", "FAULT_SIGNAL_AT_STEP"] if k in os.environ),
+    None,
+)
 if _step_fault and _first_attempt and _this_rank:
     import torch
 
@@ -81,11 +88,22 @@ if _step_fault and _first_attempt and _this_rank:
     def _step_or_fail(self, *args, **kwargs):
         global _steps
         _steps += 1
-        if _steps == _fault_step:
-            if _step_fault == "FAULT_KILL_AT_STEP":
-                _die()
+        if _steps != _fault_step:
+            return _adamw_step(self, *args, **kwargs)
+        if _step_fault == "FAULT_KILL_AT_STEP":
+            _die()
+        if _step_fault == "FAULT_RAISE_AT_STEP":
             raise RuntimeError(f"injected fault at step {_steps}")
-        return _adamw_step(self, *args, **kwargs)
+        if _step_fault == "FAULT_SIGNAL_AT_STEP":
+            import signal
+
+            target = os.getppid() if os.environ.get("FAULT_SIGNAL_PARENT") else os.getpid()
+            os.kill(target, getattr(signal, "SIG" + os.environ.get("FAULT_SIGNAL", "TERM")))
+            return _adamw_step(self, *args, **kwargs)
+        result = _adamw_step(self, *args, **kwargs)
+        with torch.no_grad():  # FAULT_NAN_AT_STEP
+            self.param_groups[0]["params"][0].fill_(float("nan"))
+        return result
 
     torch.optim.AdamW.step = _step_or_fail
 
@@ -112,3 +130,49 @@ if "PROBE_COMPILE_BACKEND" in os.environ:
     import torch
 
     torch.compile = functools.partial(torch.compile, backend=os.environ["PROBE_COMPILE_BACKEND"])
+
+if "PROBE_GRADIENT_REDUCTIONS" in os.environ and os.environ.get("RANK", "0") == "0":
+    # The collectives that reduce gradients, per optimizer step (one JSON line each): the indices
+    # of the buckets DDP all-reduces (through a comm hook that does what DDP does by default), and
+    # the number of reduce-scatters FSDP issues.
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    _reductions = {"ddp_buckets": [], "reduce_scatters": 0}
+    _reductions_path = os.environ["PROBE_GRADIENT_REDUCTIONS"]
+
+    def _counting_allreduce_hook(state, bucket):
+        _reductions["ddp_buckets"].append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    _ddp_init = DistributedDataParallel.__init__
+
+    def _ddp_init_with_counting_hook(self, *args, **kwargs):
+        _ddp_init(self, *args, **kwargs)
+        self.register_comm_hook(None, _counting_allreduce_hook)
+
+    DistributedDataParallel.__init__ = _ddp_init_with_counting_hook
+    def _counting(reduce_scatter):
+        def counting_reduce_scatter(*args, **kwargs):
+            _reductions["reduce_scatters"] += 1
+            return reduce_scatter(*args, **kwargs)
+
+        return counting_reduce_scatter
+
+    # FSDP calls one or the other, by version: torch 2.13's calls reduce_scatter_single.
+    for _name in ["reduce_scatter_tensor", "reduce_scatter_single"]:
+        if hasattr(dist, _name):
+            setattr(dist, _name, _counting(getattr(dist, _name)))
+    _counted_step = torch.optim.AdamW.step
+
+    def _step_and_record(self, *args, **kwargs):
+        with open(_reductions_path, "a") as f:
+            f.write(json.dumps(_reductions) + "\n")
+        _reductions.update(ddp_buckets=[], reduce_scatters=0)
+        return _counted_step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = _step_and_record

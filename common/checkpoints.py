@@ -1,0 +1,130 @@
+"""Checkpoint folders: atomic publishing, the newest K kept, and the checks around saving and resuming."""
+
+import errno
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import CheckpointException
+
+_CHECKPOINT_NAME = re.compile(r"step-(\d+)")
+
+
+def checkpoint_dir(exp_dir: Path, step: int) -> Path:
+    return exp_dir / "checkpoints" / f"step-{step:08d}"
+
+
+def complete_checkpoints(exp_dir: Path) -> list[Path]:
+    """Complete checkpoint folders, oldest first. Unfinished saves (`*.tmp`) don't match and are ignored."""
+    folders = [p for p in (exp_dir / "checkpoints").glob("step-*") if _CHECKPOINT_NAME.fullmatch(p.name)]
+    return sorted(folders, key=lambda p: int(p.name.removeprefix("step-")))
+
+
+def latest_checkpoint(exp_dir: Path) -> Path | None:
+    checkpoints = complete_checkpoints(exp_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def publish_checkpoint(tmp_dir: Path, final_dir: Path, keep: int) -> None:
+    """Makes a fully written `tmp_dir` the checkpoint `final_dir`, atomically, and keeps the newest `keep`.
+
+    Files are flushed to disk first, so that after a machine crash the renamed folder never holds
+    files whose data did not reach the disk. A rename is atomic: a crash at any point leaves either
+    the old checkpoints or the new one, never a partial one that resume would trust. Several are kept
+    so that one that turns out to be bad is never the only one.
+    """
+    for path in [*tmp_dir.rglob("*"), tmp_dir]:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    os.replace(tmp_dir, final_dir)
+    fd = os.open(final_dir.parent, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    # *.tmp folders are saves that a crash interrupted; they never count as checkpoints.
+    stale = [p for p in final_dir.parent.iterdir() if p.name.endswith(".tmp")]
+    for old in complete_checkpoints(final_dir.parent.parent)[:-keep] + stale:
+        shutil.rmtree(old)
+
+
+@contextmanager
+def saving(tmp_dir: Path, step: int):
+    """Turns a full disk during a save into one line. The unfinished save is removed; the checkpoints
+    before it are intact, since a save only replaces them once it is complete."""
+    try:
+        yield
+    # torch.save reports a full disk as a RuntimeError ("iostream error"), DCP as a CheckpointException
+    # (no Exception subclass: it must be named to be caught). The disk itself says whether it is full.
+    except (OSError, RuntimeError, CheckpointException) as err:
+        usage = shutil.disk_usage(tmp_dir.parent)
+        if getattr(err, "errno", None) != errno.ENOSPC and usage.free > usage.total // 1000:
+            raise
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        previous = latest_checkpoint(tmp_dir.parent.parent)
+        intact = "no earlier checkpoint exists"
+        if previous is not None:
+            intact = f"the checkpoint of step {int(previous.name.removeprefix('step-'))} is intact"
+        raise SystemExit(
+            f"error: no space left on the device of {tmp_dir.parent} while saving step {step}; {intact}: "
+            "free some space (or lower --keep-checkpoints), then rerun to resume"
+        ) from None
+
+
+@contextmanager
+def loading(checkpoint: Path):
+    """Turns a checkpoint that cannot be loaded into one line: one of a model of another shape, or a
+    damaged one (then the one before it, kept by --keep-checkpoints, can be resumed from)."""
+    try:
+        yield
+    except (Exception, CheckpointException) as err:
+        text = str(err)
+        mismatch = next((line.strip() for line in text.splitlines() if "size mismatch" in line.lower()), None)
+        if mismatch:
+            raise SystemExit(
+                f"error: {checkpoint} holds a model of another shape than --model-name ({mismatch}); pass the "
+                "--model-name it was trained with, or a new --experiment-name"
+            ) from None
+        first = text.strip().splitlines()[0] if text.strip() else ""
+        raise SystemExit(
+            f"error: checkpoint {checkpoint} cannot be loaded ({type(err).__name__}: {first}); remove it to "
+            "resume from the one before, or pass a new --experiment-name"
+        ) from None
+
+
+def rng_state(device: torch.device) -> dict:
+    """The random number generators' states: anything that draws random numbers (dropout) resumes exactly."""
+    rng = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def set_rng_state(rng: dict, device: torch.device) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def check_save_dir(save_dir: str) -> None:
+    """Before anything is loaded: --save-dir must be (or become) a folder this process can write to."""
+    path = Path(save_dir).absolute()
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir():
+        raise SystemExit(f"error: --save-dir {save_dir!r}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: --save-dir {save_dir!r}: {existing} is not writable")
+
+
+def check_resume(checkpoint: Path, state: dict, layout: dict) -> None:
+    """The data position and the LR schedule count global batches of rows of a given length: a run may
+    resume on another number of ranks or micro-batches only if each step still trains the same rows."""
+    changed = [f"{key} {state[key]} -> {value}" for key, value in layout.items() if state[key] != value]
+    if changed:
+        raise SystemExit(
+            f"error: {checkpoint} was trained with global_batch_rows {state['global_batch_rows']} and seq_length "
+            f"{state['seq_length']}; this run has {', '.join(changed)}. Keep --seq-length, and --batch-size x "
+            "--grad-accum-steps x ranks equal to the global batch, or pass a new --experiment-name"
+        )

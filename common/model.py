@@ -1,0 +1,83 @@
+"""Loading a model's config and tokenizer with one clear error per way it can go wrong, and AdamW's groups."""
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
+
+from common.data import looks_like_path
+
+# The embedded default: a tiny Llama config with its tokenizer (see common/make_tiny_default.py),
+# loaded through the same calls as a Hub name.
+DEFAULT_MODEL = str(Path(__file__).parent / "tiny_llama")
+
+
+def load_config_and_tokenizer(model_name: str, seq_length: int):
+    """`AutoConfig` and `AutoTokenizer` for a Hub name or a local folder, checked for what training needs."""
+    flag = f"--model-name {model_name!r}"
+    if looks_like_path(model_name) and not os.path.isdir(os.path.expanduser(model_name)):
+        raise SystemExit(f"error: {flag}: no such folder (from {os.getcwd()})")
+    try:
+        config = AutoConfig.from_pretrained(model_name)
+    except (OSError, ValueError, KeyError) as err:
+        if os.path.isdir(model_name):  # no config.json, or one without model_type
+            raise SystemExit(f"error: {flag}: no usable config.json in the folder ({_first_line(err)})") from None
+        raise SystemExit(
+            f"error: {flag} is neither a local folder (none in {os.getcwd()}) nor a Hub model that can be "
+            f"reached ({_first_line(err)})"
+        ) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name)
+    except (OSError, ValueError, TypeError) as err:
+        raise SystemExit(f"error: {flag} has a config but no tokenizer that loads ({_first_line(err)})") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
+        config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not config.is_decoder
+    ):
+        raise SystemExit(
+            f"error: {flag} is a {config.model_type} model, not a causal (decoder-only) language model: "
+            "pass one such as Llama, Qwen or GPT-2"
+        )
+    if getattr(config, "max_position_embeddings", None) is None:
+        raise SystemExit(f"error: {flag}: its config has no max_position_embeddings to check --seq-length against")
+    if seq_length > config.max_position_embeddings:
+        raise SystemExit(
+            f"error: --seq-length {seq_length} is longer than the model's max_position_embeddings "
+            f"({config.max_position_embeddings}); pass a smaller --seq-length"
+        )
+    if tokenizer.eos_token_id is None:
+        raise SystemExit(f"error: {flag}: its tokenizer has no EOS token to end each document with")
+    return config, tokenizer
+
+
+def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on the weight matrices (2-D and up: linear layers and embeddings), none on norms and
+    biases, as nanoGPT and Megatron-LM do. A sharded parameter (DTensor) has its full shape's `ndim`,
+    so FSDP gets the same groups. Tied weights appear once in `parameters()`, so once here.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks, found by the class names HF lists in `_no_split_modules` (LlamaDecoderLayer, ...),
+    so that no model family's attribute path is hard-coded."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    if not blocks:
+        raise SystemExit(
+            f"error: --model-name {model.config.name_or_path!r}: no transformer blocks found to shard "
+            f"(the model's _no_split_modules names none)"
+        )
+    return blocks

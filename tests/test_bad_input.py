@@ -1,0 +1,153 @@
+"""Every bad input a user can give stops with one line naming what to fix. These call the checks
+every chapter runs before it writes anything (the flags, the model, the data) in this process, which
+takes milliseconds; the chapters' own tests run a sample of them end to end (non-zero exit, the line
+last in stderr, under torchrun too, nothing written)."""
+
+import json
+import shutil
+
+import pytest
+from harness import REPO
+
+from common import DEFAULT_MODEL, base_parser, load_and_pack, load_config_and_tokenizer
+
+
+def parse_error(*argv: str) -> str:
+    with pytest.raises(SystemExit) as exit:
+        base_parser("", "01-single-gpu/train_llm.py").parse_args(argv)
+    return str(exit.value.code)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--max-grad-norm", "-1"], "--max-grad-norm: must be a finite number > 0"),
+        (["--lr", "inf"], "--lr: must be a finite number > 0"),
+        (["--lr", "0"], "--lr: must be a finite number > 0"),
+        (["--lr", "-1"], "--lr: must be a finite number > 0"),
+        (["--lr", "fast"], "--lr: 'fast' is not a number"),
+        (["--warmup-steps", "-5"], "--warmup-steps: must be an integer >= 0"),
+        (["--seq-length", "1"], "--seq-length: must be an integer >= 2 (a row of one token has no next token)"),
+        (["--batch-size", "0"], "--batch-size: must be a positive integer"),
+        (["--grad-accum-steps", "0"], "--grad-accum-steps: must be a positive integer"),
+        (["--weight-decay", "-0.1"], "--weight-decay: must be a finite number >= 0"),
+        (["--beta2", "1"], "--beta2: must be a number in [0, 1)"),
+        (["--val-fraction", "1.5"], "--val-fraction: must be a number in [0, 1)"),
+        (["--keep-checkpoints", "0"], "--keep-checkpoints: must be a positive integer"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_flags_that_would_train_wrong_fail_at_parse_time(argv, words):
+    message = parse_error(*argv)
+    assert message.startswith("error: ") and words in message, message
+
+
+def test_the_chapters_own_flags_are_checked_too():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ch03", REPO / "03-multi-node" / "train_llm.py")
+    chapter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chapter)
+    with pytest.raises(SystemExit) as exit:
+        chapter.get_parser().parse_args(["--dist-timeout", "0"])
+    assert "--dist-timeout: must be a finite number > 0" in str(exit.value.code)
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+
+
+def data_error(name, tokenizer=None) -> str:
+    from transformers import AutoTokenizer
+
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    with pytest.raises(SystemExit) as exit:
+        load_and_pack(str(name), tokenizer, 16, 0.0)
+    return str(exit.value.code)
+
+
+def write(path, text: str | bytes):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    return path.parent
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda d: write(d / "data" / "train.jsonl", ""), "cannot be read"),
+        (lambda d: write(d / "data" / "train.jsonl", b"\xff\xfe\x00garbage\x81" * 100), "cannot be read"),
+        (lambda d: write(d / "data" / "train.jsonl", '{"text": "ok"}\n{"text": null}\n'), "row 1 of its train split has no text"),
+        (lambda d: write(d / "data" / "train.jsonl", '{"text": 1}\n{"text": 2}\n'), "'text' column holds Value('int64')"),
+        (lambda d: write(d / "data" / "train.jsonl", '{"prompt": "hi"}\n'), "has no 'text' column (columns: ['prompt'])"),
+        (lambda d: write(d / "data" / "train.jsonl", '{"text": "hi"}\n'), "fewer than --seq-length 16 tokens"),
+        (lambda d: (d / "data").mkdir() or "data/missing", "no such file or folder"),
+        (lambda d: "./missing", "no such file or folder"),
+        (lambda d: write(d / "data" / "notes.docx", "x") / "notes.docx", "cannot read '.docx' files"),
+    ],
+    ids=["empty-file", "binary-garbage", "null-text", "numbers-as-text", "no-text-column", "too-short", "relative-missing",
+         "dot-missing", "unknown-format"],
+)
+def test_bad_datasets_fail_with_one_line(tmp_path, hf_cache, make, words):
+    message = data_error(make(tmp_path))
+    assert message.startswith("error: --dataset-name") and words in message, message
+
+
+def test_a_single_data_file_is_accepted(tmp_path, hf_cache):
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "notes.jsonl"
+    path.write_text("".join(json.dumps({"text": f"line {i} of a file"}) + "\n" for i in range(100)))
+    train, val = load_and_pack(str(path), AutoTokenizer.from_pretrained(DEFAULT_MODEL), 16, 0.1)
+    assert len(train) > 0 and len(val) == -(-(len(train) + len(val)) // 10)
+
+
+def model_error(folder) -> str:
+    with pytest.raises(SystemExit) as exit:
+        load_config_and_tokenizer(str(folder), 16)
+    return str(exit.value.code)
+
+
+def mamba(config):
+    config["model_type"] = "mamba"
+    del config["max_position_embeddings"]
+
+
+def tiny_model_copy(tmp_path, edit_config=None, drop=()):
+    folder = tmp_path / "model"
+    shutil.copytree(REPO / "common" / "tiny_llama", folder)
+    config = json.loads((folder / "config.json").read_text())
+    if edit_config:
+        edit_config(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in drop:
+        (folder / name).unlink()
+    return folder
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda d: d / "no" / "such" / "model", "no such folder"),
+        (lambda d: (d / "models").mkdir() or "models/missing", "no such folder"),
+        (lambda d: tiny_model_copy(d, drop=["tokenizer.json", "tokenizer_config.json"]), "has a config but no tokenizer"),
+        (lambda d: tiny_model_copy(d, edit_config=lambda c: c.pop("model_type")), "no usable config.json"),
+        (lambda d: tiny_model_copy(d, drop=["config.json"]), "no usable config.json"),
+        # Mamba has no position embeddings, so no length to check --seq-length against.
+        (lambda d: tiny_model_copy(d, edit_config=mamba), "no max_position_embeddings"),
+        (lambda d: tiny_model_copy(d, edit_config=lambda c: c.update(model_type="bert")), "is a bert model, not a causal"),
+    ],
+    ids=["missing-folder", "relative-missing", "no-tokenizer", "no-model-type", "no-config", "no-max-positions", "bert"],
+)
+def test_bad_models_fail_with_one_line(tmp_path, hf_cache, make, words):
+    message = model_error(make(tmp_path))
+    assert message.startswith("error: --model-name") and words in message, message
+
+
+def test_seq_length_beyond_the_model_fails(hf_cache):
+    with pytest.raises(SystemExit) as exit:
+        load_config_and_tokenizer(DEFAULT_MODEL, 1024)
+    assert "--seq-length 1024 is longer than the model's max_position_embeddings (512)" in str(exit.value.code)
