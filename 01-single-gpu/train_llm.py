@@ -139,7 +139,8 @@ def main():
     guard = NonFiniteGuard(device)
     stop = StopSignal()
     postfix = {}  # what the progress bar shows after the counts
-    running_loss, steps_since_log, log_start = state["running_loss"], state["steps_since_log"], time.perf_counter()
+    running_loss = state["running_loss"]
+    steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
 
     with tqdm.tqdm(total=total_steps, initial=state["global_step"], desc="training", dynamic_ncols=True) as progress:
         model.train()

@@ -138,8 +138,11 @@ class NonFiniteGuard:
         self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)
 
     def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        bad = ~(torch.isfinite(loss.detach()) & torch.isfinite(grad_norm))
-        self.first_bad_step = torch.where(bad & (self.first_bad_step == 0), step, self.first_bad_step)
+        if isinstance(grad_norm, DTensor):  # FSDP's norm: the same full value on every rank
+            grad_norm = grad_norm.full_tensor()
+        # With --cpu-offload the gradients, and so their norm, are on the CPU: a copy, not a sync.
+        finite = torch.isfinite(loss.detach()) & torch.isfinite(grad_norm).to(loss.device, non_blocking=True)
+        self.first_bad_step = torch.where(~finite & (self.first_bad_step == 0), step, self.first_bad_step)
 
     def check(self) -> None:
         step = int(self.first_bad_step)

@@ -12,19 +12,22 @@ REPO = Path(__file__).resolve().parents[1]
 FAULTS = Path(__file__).parent / "faults"
 VOCAB_SIZE = 512  # of the embedded tiny model
 UNIFORM_LOSS = math.log(VOCAB_SIZE)
+OFFLINE_WANDB = {"WANDB_MODE": "offline"}  # as users without a W&B login run
 
 # Small and quick, yet every step sees different data and updates every weight.
 FAST_ARGS = ["--batch-size", "4", "--seq-length", "128", "--warmup-steps", "5", "--log-freq", "1", "--eval-every", "6"]
 
 
 def chapter_env(hf_home: Path, env: dict | None = None, faults: dict | None = None) -> dict:
-    """The environment the docs tell users to use, made hermetic: W&B offline, Hugging Face caches in
-    `hf_home`, no Hub access, one math thread per process (two cores are shared by all ranks).
+    """The environment the docs tell users to use, made hermetic: Hugging Face caches in `hf_home`, no
+    Hub access, one math thread per process (two cores are shared by all ranks), and W&B disabled,
+    which saves its service process's start in every rank of every run; the tests of the W&B paths
+    ask for `OFFLINE_WANDB`.
     `faults` switches on tests/faults/sitecustomize.py with the given FAULT_* variables.
     """
     full_env = {
         **os.environ,
-        "WANDB_MODE": "offline",
+        "WANDB_MODE": "disabled",
         "HF_HOME": str(hf_home),
         "HF_HUB_OFFLINE": "1",
         "OMP_NUM_THREADS": "1",

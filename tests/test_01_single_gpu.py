@@ -8,6 +8,7 @@ import time
 import pytest
 from harness import (
     FAST_ARGS,
+    OFFLINE_WANDB,
     REPO,
     UNIFORM_LOSS,
     VOCAB_SIZE,
@@ -24,7 +25,8 @@ STEPS = 12
 
 def test_default_run_learns(tmp_path, hf_home):
     # The default settings, cut short: the tiny model must learn the task data quickly.
-    run_chapter(CHAPTER, "--save-dir", str(tmp_path), "--max-steps", "60", "--log-freq", "5", hf_home=hf_home)
+    args = ["--save-dir", str(tmp_path), "--max-steps", "60", "--log-freq", "5"]
+    run_chapter(CHAPTER, *args, hf_home=hf_home, env=OFFLINE_WANDB)
     metrics = read_metrics(tmp_path / CHAPTER)
     first, last = metrics[5]["loss"], metrics[60]["loss"]
     assert abs(first - UNIFORM_LOSS) < 0.3, f"a fresh model should guess uniformly: {first} vs {UNIFORM_LOSS}"
@@ -69,18 +71,6 @@ def test_compile_traces_the_model_once(tmp_path, hf_home, straight_losses):
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), straight_losses)) <= 1e-5
 
 
-def test_first_log_line_after_a_resume_averages_the_same_steps(tmp_path, hf_home, straight_losses):
-    # Logged every 4 steps, saved at step 6: the line of step 8 averages steps 5-8, of which steps 5
-    # and 6 ran before the kill.
-    args = [*FAST_ARGS, "--log-freq", "4", "--ckpt-freq", "6", "--max-steps", str(STEPS), "--save-dir", str(tmp_path)]
-    run_chapter(CHAPTER, *args, hf_home=hf_home, faults={"FAULT_KILL_AFTER_CHECKPOINT": 1}, check=False)
-    run_chapter(CHAPTER, *args, hf_home=hf_home)
-    logged = {step: m for step, m in read_metrics(tmp_path / CHAPTER).items() if "loss" in m}
-    assert sorted(logged) == [4, 8, 12]
-    for step in logged:
-        assert logged[step]["loss"] == pytest.approx(sum(straight_losses[step - 4 : step]) / 4, abs=1e-6), step
-
-
 def test_kill_while_saving_resumes_from_previous_checkpoint(tmp_path, hf_home, straight_losses):
     args = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", "4", "--save-dir", str(tmp_path)]
     killed = run_chapter(CHAPTER, *args, hf_home=hf_home, faults={"FAULT_KILL_DURING_CHECKPOINT": 2}, check=False)
@@ -104,13 +94,6 @@ def test_rerunning_a_finished_run_does_nothing(tmp_path, hf_home, straight_run):
     assert (tmp_path / CHAPTER / "metrics.jsonl").read_text() == before
 
 
-def _json_folder_without_text(tmp_path):
-    folder = tmp_path / "no_text"
-    folder.mkdir()
-    (folder / "train.jsonl").write_text(json.dumps({"instruction": "hi", "output": "hello"}) + "\n")
-    return str(folder)
-
-
 def _a_file(tmp_path):
     (tmp_path / "a_file").write_text("not a folder")
     return str(tmp_path / "a_file")
@@ -130,17 +113,15 @@ def _bert_config(tmp_path):
     [
         (["--dataset-name", "/no/such/dataset"], "--dataset-name"),
         (["--dataset-name", "no_such_dataset"], "--dataset-name"),  # a Hub name, offline
-        (["--dataset-name", _json_folder_without_text], "--dataset-name"),
         (["--model-name", "/no/such/model"], "--model-name"),
         (["--model-name", _bert_config], "--model-name"),
         (["--from-pretrained"], "--from-pretrained"),  # the embedded default has a config but no weights
         (["--lr", "inf"], "--lr"),
-        (["--seq-length", "1024"], "--seq-length"),
         (["--batch-size", "100000"], "--batch-size"),
         (["--save-dir", _a_file], "--save-dir"),
     ],
-    ids=["missing-dataset", "hub-dataset-offline", "no-text-column", "missing-model", "bert", "no-weights", "lr-inf",
-         "too-long", "huge-batch", "save-dir-is-a-file"],
+    ids=["missing-dataset", "hub-dataset-offline", "missing-model", "bert", "no-weights", "lr-inf", "huge-batch",
+         "save-dir-is-a-file"],
 )
 def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, hf_home, args, flag):
     args = [arg(tmp_path) if callable(arg) else arg for arg in args]
@@ -220,16 +201,21 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     assert max(read_metrics(tmp_path / CHAPTER)) == 6, "no NaN is logged as a loss"
 
 
-def test_ctrl_c_saves_and_the_rerun_resumes_exactly(tmp_path, hf_home, straight_losses):
-    # SIGINT (Ctrl-C) in step 5: the step completes, a checkpoint is saved, the run says how to go on.
-    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--save-dir", str(tmp_path)]
+def test_ctrl_c_saves_and_the_log_lines_after_the_rerun_match(tmp_path, hf_home, straight_losses):
+    """Ctrl-C (SIGINT) in step 5, logging every 4 steps: the step completes, a checkpoint is saved,
+    the run says how to go on. After the rerun each log line averages the same steps as the
+    uninterrupted run's, though steps 5 and 6 ran before the stop: the checkpoint carries their sum."""
+    args = [*FAST_ARGS, "--log-freq", "4", "--max-steps", str(STEPS), "--save-dir", str(tmp_path)]
     faults = {"FAULT_SIGNAL_AT_STEP": 5, "FAULT_SIGNAL": "INT"}
     stopped = run_chapter(CHAPTER, *args, hf_home=hf_home, faults=faults)
     assert "Stopped by SIGINT at step 5: rerun the same command to resume" in last_line(stopped.stderr)
     assert "Traceback" not in stopped.stderr
     resumed = run_chapter(CHAPTER, *args, hf_home=hf_home)
     assert "at step 5" in resumed.stderr
-    assert losses(tmp_path / CHAPTER) == straight_losses
+    logged = {step: m for step, m in read_metrics(tmp_path / CHAPTER).items() if "loss" in m}
+    assert sorted(logged) == [4, 8, 12]
+    for step in logged:
+        assert logged[step]["loss"] == pytest.approx(sum(straight_losses[step - 4 : step]) / 4, abs=1e-6), step
 
 
 @pytest.fixture
@@ -246,7 +232,7 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_while_saving_fails_clearly_and_keeps_the_last_checkpoint(small_disk, hf_home):
     args = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", "4", "--save-dir", str(small_disk)]
-    proc = run_chapter(CHAPTER, *args, hf_home=hf_home, env={"WANDB_MODE": "disabled"}, check=False)
+    proc = run_chapter(CHAPTER, *args, hf_home=hf_home, check=False)
     assert proc.returncode != 0
     assert last_line(proc.stderr).startswith("error: no space left on the device of"), proc.stderr[-2000:]
     assert "while saving step 8; the checkpoint of step 4 is intact" in last_line(proc.stderr)

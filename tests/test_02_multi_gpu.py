@@ -21,12 +21,9 @@ RANKS = 2
 
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory, hf_home):
-    """The reference: 2 ranks, STEPS steps without interruption."""
-    save_dir = tmp_path_factory.mktemp("straight")
-    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--experiment-name", "ddp", "--save-dir", str(save_dir)]
-    run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home)
-    return save_dir / "ddp"
+def straight_run(ddp_reference):
+    """The reference: 2 ranks, STEPS steps without interruption (tests/conftest.py)."""
+    return ddp_reference
 
 
 @pytest.fixture(scope="module")
@@ -58,34 +55,6 @@ def test_gradient_accumulation_all_reduces_once_per_step(tmp_path, hf_home, chap
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(chapter_01_run))) <= 1e-5
     buckets = [json.loads(line)["ddp_buckets"] for line in probe.read_text().splitlines()]
     assert len(buckets) == STEPS and all(b and sorted(b) == sorted(set(b)) for b in buckets), buckets
-
-
-def test_exact_resume_on_2_ranks(tmp_path, hf_home, straight_run):
-    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", str(STEPS // 2)]
-    args += ["--experiment-name", "ddp", "--save-dir", str(tmp_path)]
-    # Rank 0 is the one that saves: it dies right after its first checkpoint, and the job with it.
-    killed = run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home, faults={"FAULT_KILL_AFTER_CHECKPOINT": 1}, check=False)
-    assert killed.returncode != 0
-    assert max(read_metrics(tmp_path / "ddp")) == STEPS // 2
-
-    resumed = run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home)
-    assert "at step 6" in resumed.stderr
-    assert losses(tmp_path / "ddp") == losses(straight_run)
-
-
-def test_first_log_line_after_a_resume_averages_the_same_steps(tmp_path, hf_home, straight_run):
-    # Logged every 4 steps, saved at step 6: the line of step 8 averages steps 5-8 over both ranks,
-    # of which steps 5 and 6 ran before the kill.
-    args = [*FAST_ARGS, "--log-freq", "4", "--ckpt-freq", "6", "--max-steps", str(STEPS)]
-    args += ["--experiment-name", "ddp", "--save-dir", str(tmp_path)]
-    faults = {"FAULT_KILL_AFTER_CHECKPOINT": 1}
-    run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home, faults=faults, check=False)
-    run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home)
-    logged = {step: m for step, m in read_metrics(tmp_path / "ddp").items() if "loss" in m}
-    straight = losses(straight_run)
-    assert sorted(logged) == [4, 8, 12]
-    for step in logged:
-        assert logged[step]["loss"] == pytest.approx(sum(straight[step - 4 : step]) / 4, abs=1e-6), step
 
 
 def test_compile_traces_the_ddp_model_once(tmp_path, hf_home, straight_run):
@@ -156,22 +125,38 @@ def test_batch_too_large_for_the_ranks_fails_clearly(tmp_path, hf_home):
     assert not save_dir.exists()
 
 
-@pytest.mark.parametrize("to_torchrun", [False, True], ids=["to-rank-1", "to-torchrun"])
-def test_sigterm_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path, hf_home, straight_run, to_torchrun):
-    """SIGTERM in step 5, to rank 1 alone (rank 0 learns of it through the step's all-reduce of
-    the stop flag) or to torchrun (which passes it to every rank): all stop after the same step,
-    save, and the rerun continues as if nothing happened."""
+def test_sigterm_to_one_rank_stops_every_rank_and_resumes_exactly(tmp_path, hf_home, straight_run):
+    """SIGTERM to rank 1 alone in step 5: rank 0 learns of it through the step's all-reduce of the
+    stop flag, both stop after step 5 with one checkpoint and exit cleanly, and the rerun's losses
+    are the uninterrupted run's, bit for bit."""
     args = [*FAST_ARGS, "--max-steps", str(STEPS), "--experiment-name", "ddp", "--save-dir", str(tmp_path)]
-    faults = {"FAULT_SIGNAL_AT_STEP": 5, "FAULT_RANK": 1, **({"FAULT_SIGNAL_PARENT": 1} if to_torchrun else {})}
+    faults = {"FAULT_SIGNAL_AT_STEP": 5, "FAULT_RANK": 1}
+    stopped = run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home, faults=faults)
+    # Rank 0 speaks for the job: it was not signalled itself.
+    assert "Stopped by a signal to another rank at step 5: rerun the same command to resume" in stopped.stderr
+    assert [p.name for p in (tmp_path / "ddp" / "checkpoints").iterdir()] == ["step-00000005"]
+    resumed = run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home)
+    assert "step-00000005 at step 5" in resumed.stderr
+    assert losses(tmp_path / "ddp") == losses(straight_run)
+
+
+def test_sigterm_to_torchrun_stops_with_a_checkpoint_and_the_log_lines_match(tmp_path, hf_home, straight_run):
+    """SIGTERM to torchrun, which passes it to every rank, in step 5, logging every 4 steps: after the
+    rerun, each log line averages the same steps as the uninterrupted run's, though the steps since
+    the line before the stop ran before it (the checkpoint carries their loss sum)."""
+    args = [*FAST_ARGS, "--log-freq", "4", "--max-steps", str(STEPS), "--experiment-name", "ddp"]
+    args += ["--save-dir", str(tmp_path)]
+    faults = {"FAULT_SIGNAL_AT_STEP": 5, "FAULT_SIGNAL_PARENT": 1}
     stopped = run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home, faults=faults, check=False)
     [checkpoint] = (tmp_path / "ddp" / "checkpoints").iterdir()
     step = int(checkpoint.name.removeprefix("step-"))
-    assert 5 <= step < STEPS and f"at step {step}: rerun the same command to resume" in stopped.stderr
-    if not to_torchrun:
-        assert stopped.returncode == 0 and step == 5  # a clean stop, agreed in the step of the signal
-    resumed = run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home)
-    assert f"at step {step}" in resumed.stderr
-    assert losses(tmp_path / "ddp") == losses(straight_run)
+    assert 5 <= step < 8 and f"Stopped by SIGTERM at step {step}" in stopped.stderr, stopped.stderr[-3000:]
+    run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home)
+    logged = {step: m for step, m in read_metrics(tmp_path / "ddp").items() if "loss" in m}
+    straight = losses(straight_run)
+    assert sorted(logged) == [4, 8, 12]
+    for step in logged:
+        assert logged[step]["loss"] == pytest.approx(sum(straight[step - 4 : step]) / 4, abs=1e-6), step
 
 
 def _corrupt_copy(tmp_path, straight_run):

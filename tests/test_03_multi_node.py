@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 import slurm_cluster
-from harness import FAST_ARGS, REPO, chapter_env, free_port, losses, run_chapter, torchrun
+from harness import FAST_ARGS, OFFLINE_WANDB, REPO, chapter_env, free_port, losses, run_chapter, torchrun
 
 CHAPTER = "03-multi-node"
 SCRIPT = str(REPO / CHAPTER / "train_llm.py")
@@ -46,11 +46,9 @@ def wait_for_nodes(commands: list[tuple[list[str], dict]], timeout: float) -> li
 
 
 @pytest.fixture(scope="module")
-def one_node_run(tmp_path_factory, hf_home):
-    """The reference: chapter 02 on one node with 2 ranks."""
-    save_dir = tmp_path_factory.mktemp("one_node")
-    run_chapter("02-multi-gpu", *ARGS, "--save-dir", str(save_dir), nproc=2, hf_home=hf_home)
-    return save_dir / "02-multi-gpu"
+def one_node_run(ddp_reference):
+    """The reference: chapter 02 on one node with 2 ranks (tests/conftest.py)."""
+    return ddp_reference
 
 
 @pytest.fixture(scope="module")
@@ -224,11 +222,12 @@ def test_slurm_time_limit_stops_with_a_checkpoint_and_requeues(tmp_path, hf_home
     """What Slurm does 5 minutes before the time limit (launch.sbatch's --signal), done by hand: SIGTERM
     to the batch script. The training saves and stops, the job requeues itself and resumes, and the
     losses are those of an uninterrupted run."""
-    steps = 24
+    steps = 16
     args = [*FAST_ARGS, "--max-steps", str(steps), "--device", "cpu"]
     run_chapter(CHAPTER, *args, "--save-dir", str(tmp_path / "reference"), nproc=2, hf_home=hf_home)
     (tmp_path / CHAPTER).symlink_to(REPO / CHAPTER)
-    env = {**chapter_env(hf_home), "NPROC_PER_NODE": "1"}
+    # With W&B's service process, which Slurm's signal stops too.
+    env = {**chapter_env(hf_home, OFFLINE_WANDB), "NPROC_PER_NODE": "1"}
     job = slurm.sbatch("--time=10", "--gpus-per-node=0", f"{CHAPTER}/launch.sbatch", *args,
                        "--save-dir", str(tmp_path / "out"), cwd=tmp_path, env=env)
     metrics = tmp_path / "out" / CHAPTER / "metrics.jsonl"

@@ -12,11 +12,9 @@ NUM_PARAMS = 918_656  # the tiny default model
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory, hf_home):
-    """The reference: chapter 03 (DDP) on 2 ranks."""
-    save_dir = tmp_path_factory.mktemp("ddp")
-    run_chapter("03-multi-node", *ARGS, "--save-dir", str(save_dir), nproc=2, hf_home=hf_home)
-    return save_dir / "03-multi-node"
+def ddp_run(ddp_reference):
+    """The reference: DDP on 2 ranks (chapter 02, which chapter 03 reproduces bit for bit)."""
+    return ddp_reference
 
 
 @pytest.fixture(scope="module")
