@@ -1,6 +1,6 @@
 """What every chapter shares unchanged: the embedded default, flags, data, checkpoints, timers, memory, metrics."""
 
-from common.args import base_parser, positive_float
+from common.args import base_parser, positive_float, positive_int
 from common.checkpoints import (
     check_resume,
     check_save_dir,
@@ -55,6 +55,7 @@ __all__ = [
     "memory_stats",
     "peak_bf16_flops",
     "positive_float",
+    "positive_int",
     "publish_checkpoint",
     "rank0_first",
     "record",

@@ -37,6 +37,10 @@ def setup_logging(prefix: str = "", level: int = logging.INFO) -> None:
     handler = _TqdmHandler()
     handler.setFormatter(logging.Formatter(f"{prefix}[%(asctime)s] %(levelname)s:%(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
+    # transformers imports torchao, when installed, for its quantizers; torchao then warns about
+    # kernels it has not built for this machine, which no chapter uses (chapter 06's float8 needs none).
+    for name in ["torchao", "torch.utils._pytree"]:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 @contextmanager

@@ -1,0 +1,136 @@
+import json
+import shutil
+
+import pytest
+import torch
+from harness import FAST_ARGS, REPO, UNIFORM_LOSS, compiled_graphs, last_lines, losses, read_metrics, run_chapter
+
+CHAPTER = "05-tensor-parallel"
+STEPS = 12
+ARGS = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", "6"]
+NUM_PARAMS = 918_656  # the tiny default model
+
+
+def assert_matches(run, reference):
+    """Losses, gradient norms and validation losses of `run` equal the reference's (fp32, ~1e-6)."""
+    run, reference = read_metrics(run), read_metrics(reference)
+    assert sorted(run) == list(range(1, STEPS + 1))
+    for step in reference:
+        assert abs(run[step]["loss"] - reference[step]["loss"]) <= 1e-5, step
+        assert run[step]["grad_norm"] == pytest.approx(reference[step]["grad_norm"], rel=1e-4), step
+    assert [run[6]["val_loss"], run[12]["val_loss"]] == pytest.approx(
+        [reference[6]["val_loss"], reference[12]["val_loss"]], abs=1e-5
+    )
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory, hf_home):
+    """Tensor parallel alone: one replica of 2 tp ranks, trained on the reference's global batch of 8 rows."""
+    save_dir = tmp_path_factory.mktemp("tp")
+    run_chapter(
+        CHAPTER, *ARGS, "--tp-size", "2", "--batch-size", "8", "--save-dir", str(save_dir), nproc=2, hf_home=hf_home
+    )
+    return save_dir / CHAPTER
+
+
+@pytest.fixture(scope="module")
+def mesh_run(tmp_path_factory, hf_home):
+    """The 2-D mesh: 2 replicas (FSDP) of 2 tp ranks, 4 rows each per step."""
+    save_dir = tmp_path_factory.mktemp("mesh")
+    args = [*ARGS, "--tp-size", "2", "--save-dir", str(save_dir), "--export-hf", str(save_dir / "hf")]
+    run_chapter(CHAPTER, *args, nproc=4, hf_home=hf_home)
+    return save_dir
+
+
+def test_tensor_parallel_matches_ddp(ddp_reference, tp_run):
+    # Split matmuls, sequence-parallel norms and the vocabulary-parallel loss compute chapter 02's numbers.
+    assert_matches(tp_run, ddp_reference)
+
+
+def test_2d_mesh_matches_ddp_and_shards_both_ways(ddp_reference, mesh_run):
+    """Each replica trains on its own rows, its two tp ranks on the same ones: were the rows dealt
+    by global rank instead of dp rank, the tp ranks would split rows that are not the same and the
+    losses would not match."""
+    assert_matches(mesh_run / CHAPTER, ddp_reference)
+    # TP splits every weight in two and FSDP shards the halves in two: a quarter on each rank.
+    metrics = read_metrics(mesh_run / CHAPTER)[STEPS]
+    assert metrics["memory/params_gib"] * 2**30 == pytest.approx(NUM_PARAMS * 4 / 4, rel=0.05)
+    assert metrics["memory/optimizer_gib"] * 2**30 == pytest.approx(2 * NUM_PARAMS * 4 / 4, rel=0.05)
+
+
+@pytest.mark.parametrize("nproc, tp_size, batch_size", [(2, 1, 4), (2, 2, 8)], ids=["fsdp-only", "tp-only"])
+def test_resume_on_another_layout(tmp_path, hf_home, ddp_reference, mesh_run, nproc, tp_size, batch_size):
+    """The 2 x 2 mesh's checkpoint at step 6, resumed with FSDP alone on 2 ranks, or TP alone:
+    DCP reshards it into the new layout, and the job trains on as the uninterrupted run."""
+    shutil.copytree(mesh_run / CHAPTER, tmp_path / CHAPTER)
+    shutil.rmtree(tmp_path / CHAPTER / "checkpoints" / f"step-{STEPS:08d}")
+    metrics = tmp_path / CHAPTER / "metrics.jsonl"
+    # What the killed job had logged: the steps up to its checkpoint.
+    logged = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(line for line in logged if json.loads(line)["step"] <= 6))
+    args = [*ARGS, "--tp-size", str(tp_size), "--batch-size", str(batch_size), "--save-dir", str(tmp_path)]
+    resumed = run_chapter(CHAPTER, *args, nproc=nproc, hf_home=hf_home)
+    assert "step-00000006 at step 6" in resumed.stderr
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(ddp_reference))) <= 1e-5
+
+
+def test_exported_model_is_the_full_model(mesh_run):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    exported = AutoModelForCausalLM.from_pretrained(mesh_run / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(mesh_run / "hf")
+    dcp_to_torch_save(mesh_run / CHAPTER / "checkpoints" / f"step-{STEPS:08d}", mesh_run / "full.pt")
+    trained = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "common" / "tiny_llama"))
+    trained.load_state_dict(torch.load(mesh_run / "full.pt")["model"])
+
+    batch = tokenizer(["### Instruction:\nWhat is 12 + 30?\n\n### Response:\n42"], return_tensors="pt")
+    with torch.no_grad():
+        exported_loss = exported(**batch, labels=batch["input_ids"]).loss
+        trained_loss = trained(**batch, labels=batch["input_ids"]).loss
+    assert exported_loss == trained_loss
+    assert exported_loss < UNIFORM_LOSS - 1
+
+
+def test_compile_traces_every_block_with_no_recompiles(tmp_path, hf_home, tp_run):
+    graphs = compiled_graphs(CHAPTER, tmp_path, hf_home, *ARGS, "--tp-size", "2", "--batch-size", "8", nproc=2)
+    # Two graphs for training (step 1): the first block's input comes from the embedding, the others'
+    # from a block's reduce-scatter, a tensor of another type (an async collective's result); two
+    # more for evaluation (after step 6); never another, and no more for a deeper model.
+    assert graphs == [2] * 6 + [4] * (STEPS - 6), graphs
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(tp_run))) <= 1e-5
+
+
+def test_tied_embeddings_stay_tied(tmp_path, hf_home):
+    """Llama-3.2-1B ties its output layer to its embedding: both are split over the vocabulary, as
+    one weight, and the model trains as chapter 04 trains it."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    model_dir = tmp_path / "tied"
+    shutil.copytree(REPO / "common" / "tiny_llama", model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    config.tie_word_embeddings = True
+    config.save_pretrained(model_dir)
+    args = [*FAST_ARGS, "--model-name", str(model_dir), "--max-steps", "3", "--batch-size", "8"]
+    run_chapter("04-fsdp", *args, "--save-dir", str(tmp_path), nproc=1, hf_home=hf_home)
+    tp_args = [*args, "--tp-size", "2", "--save-dir", str(tmp_path), "--export-hf", str(tmp_path / "hf")]
+    run_chapter(CHAPTER, *tp_args, nproc=2, hf_home=hf_home)
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(tmp_path / "04-fsdp"))) <= 1e-5
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys(), "a tied output head is saved once, as the embedding"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tp-size", "3"], "error: --tp-size 3 must divide the number of ranks (2)"),
+        (["--tp-size", "2", "--seq-length", "127"], "error: --tp-size 2 must divide the model's --seq-length (127)"),
+    ],
+    ids=["ranks", "seq-length"],
+)
+def test_layouts_that_cannot_split_are_refused(tmp_path, hf_home, args, message):
+    proc = run_chapter(CHAPTER, *args, "--save-dir", str(tmp_path), nproc=2, hf_home=hf_home, check=False)
+    assert proc.returncode != 0
+    assert message in last_lines(proc.stderr), last_lines(proc.stderr)
+    assert not (tmp_path / CHAPTER).exists()
