@@ -1,6 +1,6 @@
 """What every chapter shares unchanged: the embedded default, flags, data, checkpoints, timers, memory, metrics."""
 
-from common.args import base_parser, positive_float, positive_int
+from common.args import base_parser, non_negative_int, positive_float, positive_int
 from common.checkpoints import (
     check_resume,
     check_save_dir,
@@ -53,6 +53,7 @@ __all__ = [
     "log_metrics",
     "loading",
     "memory_stats",
+    "non_negative_int",
     "peak_bf16_flops",
     "positive_float",
     "positive_int",

@@ -59,9 +59,17 @@ def main() -> None:
         records = [r for r in map(json.loads, lines) if "tokens_per_s" in r]  # not the validation records
 
     measured = records[2:] or records
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-    print(f"\n{script.parent.name}, {args.nproc or 1} process(es) on {device}, steps {measured[0]['step']}-{measured[-1]['step']}:")
-    print(f"  tokens/s      {statistics.median(r['tokens_per_s'] for r in measured):,.0f} (median of {len(measured)} log intervals)")
+    device = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    )
+    print(
+        f"\n{script.parent.name}, {args.nproc or 1} process(es) on {device}, steps {measured[0]['step']}-{measured[-1]['step']}:"
+    )
+    print(
+        f"  tokens/s      {statistics.median(r['tokens_per_s'] for r in measured):,.0f} (median of {len(measured)} log intervals)"
+    )
     if "mfu" in measured[-1]:
         print(f"  MFU           {statistics.median(r['mfu'] for r in measured):.1%}")
     for key in sorted(k for k in measured[-1] if k.startswith("memory/peak")):

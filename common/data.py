@@ -95,7 +95,11 @@ def _pack(data, split, dataset_name, tokenizer, seq_length):
 
     try:
         data = data.map(
-            tokenize, batched=True, with_indices=True, remove_columns=data.column_names, num_proc=num_proc,
+            tokenize,
+            batched=True,
+            with_indices=True,
+            remove_columns=data.column_names,
+            num_proc=num_proc,
             desc=f"Tokenizing {split}",
         )
     except ValueError as err:

@@ -293,8 +293,10 @@ def wandb_mode() -> str | None:
     try:
         wandb.Api(timeout=10).viewer  # one request: does the server answer?
     except Exception as err:
-        logger.warning(f"W&B login found, but its server cannot be reached ({type(err).__name__}): logging "
-                       "offline. Upload later with `wandb sync`.")
+        logger.warning(
+            f"W&B login found, but its server cannot be reached ({type(err).__name__}): logging "
+            "offline. Upload later with `wandb sync`."
+        )
         return "offline"
     return "online"
 

@@ -99,29 +99,17 @@ def _a_file(tmp_path):
     return str(tmp_path / "a_file")
 
 
-def _bert_config(tmp_path):
-    folder = tmp_path / "bert"
-    shutil.copytree(REPO / "common" / "tiny_llama", folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
-    return str(folder)
-
-
 # A sample of each kind, end to end; tests/test_bad_input.py checks every case of each kind in-process.
 @pytest.mark.parametrize(
     "args, flag",
     [
         (["--dataset-name", "/no/such/dataset"], "--dataset-name"),
         (["--dataset-name", "no_such_dataset"], "--dataset-name"),  # a Hub name, offline
-        (["--model-name", "/no/such/model"], "--model-name"),
-        (["--model-name", _bert_config], "--model-name"),
         (["--from-pretrained"], "--from-pretrained"),  # the embedded default has a config but no weights
-        (["--lr", "inf"], "--lr"),
         (["--batch-size", "100000"], "--batch-size"),
         (["--save-dir", _a_file], "--save-dir"),
     ],
-    ids=["missing-dataset", "hub-dataset-offline", "missing-model", "bert", "no-weights", "lr-inf", "huge-batch",
-         "save-dir-is-a-file"],
+    ids=["missing-dataset", "hub-dataset-offline", "no-weights", "huge-batch", "save-dir-is-a-file"],
 )
 def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, hf_home, args, flag):
     args = [arg(tmp_path) if callable(arg) else arg for arg in args]
@@ -155,10 +143,9 @@ def test_corrupt_checkpoint_fails_clearly_and_writes_nothing(tmp_path, hf_home, 
     "args, words",
     [
         (["--batch-size", "2"], "global_batch_rows 4 -> 2"),
-        (["--seq-length", "64"], "seq_length 128 -> 64"),
         (["--model-name", "wide_model"], "holds a model of another shape than --model-name (size mismatch for"),
     ],
-    ids=["batch-size", "seq-length", "model-shape"],
+    ids=["batch-size", "model-shape"],
 )
 def test_resume_with_another_layout_or_model_fails_clearly(tmp_path, hf_home, straight_run, args, words):
     """The data position counts global batches of rows of one length: another batch or length would
@@ -171,8 +158,17 @@ def test_resume_with_another_layout_or_model_fails_clearly(tmp_path, hf_home, st
         (tmp_path / "wide_model" / "config.json").write_text(json.dumps({**config, "intermediate_size": 256}))
         args = ["--model-name", str(tmp_path / "wide_model")]
     before = sorted((p, p.stat().st_mtime_ns) for p in exp_dir.rglob("*"))
-    proc = run_chapter(CHAPTER, *FAST_ARGS, "--max-steps", str(2 * STEPS), *args, "--save-dir", str(tmp_path),
-                       hf_home=hf_home, check=False)
+    proc = run_chapter(
+        CHAPTER,
+        *FAST_ARGS,
+        "--max-steps",
+        str(2 * STEPS),
+        *args,
+        "--save-dir",
+        str(tmp_path),
+        hf_home=hf_home,
+        check=False,
+    )
     assert proc.returncode != 0 and words in last_line(proc.stderr), proc.stderr[-3000:]
     assert sorted((p, p.stat().st_mtime_ns) for p in exp_dir.rglob("*")) == before
 

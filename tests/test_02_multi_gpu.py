@@ -50,8 +50,15 @@ def test_gradient_accumulation_all_reduces_once_per_step(tmp_path, hf_home, chap
     all-reducing after the first micro-batch, so each step all-reduces each gradient bucket once."""
     args = [*FAST_ARGS, "--batch-size", "2", "--grad-accum-steps", "2", "--max-steps", str(STEPS)]
     probe = tmp_path / "reductions.jsonl"
-    run_chapter(CHAPTER, *args, "--save-dir", str(tmp_path), nproc=RANKS, hf_home=hf_home,
-                faults={"PROBE_GRADIENT_REDUCTIONS": probe})
+    run_chapter(
+        CHAPTER,
+        *args,
+        "--save-dir",
+        str(tmp_path),
+        nproc=RANKS,
+        hf_home=hf_home,
+        faults={"PROBE_GRADIENT_REDUCTIONS": probe},
+    )
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(chapter_01_run))) <= 1e-5
     buckets = [json.loads(line)["ddp_buckets"] for line in probe.read_text().splitlines()]
     assert len(buckets) == STEPS and all(b and sorted(b) == sorted(set(b)) for b in buckets), buckets
@@ -74,7 +81,11 @@ def test_one_wandb_run_per_rank_in_one_group(straight_run):
     for rank in range(RANKS):
         [run_dir] = (straight_run / f"rank-{rank}" / "wandb").glob("offline-run-*")
         run = wandb_run_record(run_dir)
-        assert (run.run_id, run.run_group, run.display_name) == (f"{job_id}-{rank}", f"ddp-{job_id}", f"ddp-rank-{rank}")
+        assert (run.run_id, run.run_group, run.display_name) == (
+            f"{job_id}-{rank}",
+            f"ddp-{job_id}",
+            f"ddp-rank-{rank}",
+        )
 
 
 def test_a_failing_rank_stops_the_job_and_is_reported(tmp_path, hf_home):
@@ -82,8 +93,10 @@ def test_a_failing_rank_stops_the_job_and_is_reported(tmp_path, hf_home):
     proc = run_chapter(
         CHAPTER,
         *FAST_ARGS,
-        "--max-steps", str(STEPS),
-        "--save-dir", str(tmp_path),
+        "--max-steps",
+        str(STEPS),
+        "--save-dir",
+        str(tmp_path),
         nproc=RANKS,
         hf_home=hf_home,
         env={"TORCHELASTIC_ERROR_FILE": str(error_file)},
@@ -118,7 +131,15 @@ def test_batch_too_large_for_the_ranks_fails_clearly(tmp_path, hf_home):
     # One rank could take 6000 of the default's 10219 rows per step; two ranks would need 12000.
     save_dir = tmp_path / "out"
     proc = run_chapter(
-        CHAPTER, "--batch-size", "6000", "--save-dir", str(save_dir), nproc=RANKS, hf_home=hf_home, check=False, timeout=120
+        CHAPTER,
+        "--batch-size",
+        "6000",
+        "--save-dir",
+        str(save_dir),
+        nproc=RANKS,
+        hf_home=hf_home,
+        check=False,
+        timeout=120,
     )
     assert proc.returncode != 0
     assert "error: --batch-size 6000 x --grad-accum-steps 1 on 2 ranks is larger than the dataset" in proc.stderr
@@ -182,8 +203,9 @@ def test_errors_are_the_last_lines_under_torchrun(tmp_path, hf_home, straight_ru
     if "--save-dir" not in args:
         args += ["--save-dir", str(tmp_path / "out")]
     start = time.time()
-    proc = run_chapter(CHAPTER, *FAST_ARGS, *args, "--experiment-name", "ddp", nproc=RANKS, hf_home=hf_home,
-                       check=False, timeout=240)
+    proc = run_chapter(
+        CHAPTER, *FAST_ARGS, *args, "--experiment-name", "ddp", nproc=RANKS, hf_home=hf_home, check=False, timeout=240
+    )
     assert proc.returncode != 0 and time.time() - start < 120
     assert message in last_lines(proc.stderr), last_lines(proc.stderr)
     # Each rank stopped with the message itself (none died of a closed connection).

@@ -28,7 +28,9 @@ def launch_nodes(node_args: list[list[str]], hf_homes, nproc_per_node=1, torchru
     endpoint = f"127.0.0.1:{free_port()}"
     rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=test-job"]
     cmd = torchrun(f"--nnodes={len(node_args)}", f"--nproc-per-node={nproc_per_node}", *rdzv, *torchrun_args)
-    return wait_for_nodes([([*cmd, SCRIPT, *args], chapter_env(hf_home)) for args, hf_home in zip(node_args, hf_homes)], timeout)
+    return wait_for_nodes(
+        [([*cmd, SCRIPT, *args], chapter_env(hf_home)) for args, hf_home in zip(node_args, hf_homes)], timeout
+    )
 
 
 def wait_for_nodes(commands: list[tuple[list[str], dict]], timeout: float) -> list[tuple[int, str]]:
@@ -99,7 +101,11 @@ def test_two_hosts_with_their_own_addresses_match_one_node(tmp_path, hf_home, tw
     head_address = two_hosts[0][2]
     commands = []
     for node, (ns, interface, address) in enumerate(two_hosts):
-        rdzv = [f"--rdzv-endpoint={head_address}:29500", f"--rdzv-conf=is_host={int(node == 0)}", f"--local-addr={address}"]
+        rdzv = [
+            f"--rdzv-endpoint={head_address}:29500",
+            f"--rdzv-conf=is_host={int(node == 0)}",
+            f"--local-addr={address}",
+        ]
         cmd = torchrun("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-id=netns", *rdzv)
         env = chapter_env(hf_home, {"GLOO_SOCKET_IFNAME": interface})
         commands.append((["ip", "netns", "exec", ns, *cmd, SCRIPT, *ARGS, "--save-dir", str(tmp_path)], env))
@@ -144,8 +150,10 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path, hf_home, one
     proc = run_chapter(
         CHAPTER,
         *ARGS,
-        "--ckpt-freq", "4",
-        "--save-dir", str(tmp_path),
+        "--ckpt-freq",
+        "4",
+        "--save-dir",
+        str(tmp_path),
         nproc=2,
         torchrun_args=("--max-restarts", "1"),
         env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},  # see launch.sbatch
@@ -163,10 +171,13 @@ def test_missing_node_fails_at_the_rendezvous_timeout(tmp_path, hf_home):
     start = time.time()
     proc = subprocess.run(
         [
-            *torchrun("--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"),
+            *torchrun(
+                "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"
+            ),
             f"--rdzv-conf=join_timeout={join_timeout}",
             SCRIPT,
-            "--save-dir", str(tmp_path / "out"),
+            "--save-dir",
+            str(tmp_path / "out"),
         ],
         env=chapter_env(hf_home),
         capture_output=True,
@@ -203,8 +214,10 @@ def test_slurm_job_matches_one_node(tmp_path, hf_home, slurm, one_node_losses, c
         "--gpus-per-node=0",
         f"{CHAPTER}/launch.sbatch",
         *ARGS,
-        "--device", "cpu",
-        "--save-dir", str(tmp_path / "out"),
+        "--device",
+        "cpu",
+        "--save-dir",
+        str(tmp_path / "out"),
         cwd=tmp_path,
         env=env,
     )
@@ -228,8 +241,16 @@ def test_slurm_time_limit_stops_with_a_checkpoint_and_requeues(tmp_path, hf_home
     (tmp_path / CHAPTER).symlink_to(REPO / CHAPTER)
     # With W&B's service process, which Slurm's signal stops too.
     env = {**chapter_env(hf_home, OFFLINE_WANDB), "NPROC_PER_NODE": "1"}
-    job = slurm.sbatch("--time=10", "--gpus-per-node=0", f"{CHAPTER}/launch.sbatch", *args,
-                       "--save-dir", str(tmp_path / "out"), cwd=tmp_path, env=env)
+    job = slurm.sbatch(
+        "--time=10",
+        "--gpus-per-node=0",
+        f"{CHAPTER}/launch.sbatch",
+        *args,
+        "--save-dir",
+        str(tmp_path / "out"),
+        cwd=tmp_path,
+        env=env,
+    )
     metrics = tmp_path / "out" / CHAPTER / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
@@ -280,8 +301,9 @@ def ssh_launcher(tmp_path, hf_home, chapter, *args, **popen_kwargs):
         PATH=f"{REPO / 'tests' / 'fake_ssh'}:{env['PATH']}",
     )
     command = [str(REPO / CHAPTER / "launch_ssh.sh"), str(tmp_path / "hosts.txt"), *args, "--device", "cpu"]
-    return subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            **popen_kwargs)
+    return subprocess.Popen(
+        command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen_kwargs
+    )
 
 
 @pytest.mark.parametrize("chapter", [CHAPTER, "04-fsdp"])
@@ -301,8 +323,9 @@ def test_ssh_launcher_matches_one_node(tmp_path, hf_home, one_node_losses, chapt
 
 def test_ctrl_c_on_the_ssh_launcher_stops_every_host(tmp_path, hf_home):
     save_dir = tmp_path / "out"
-    proc = ssh_launcher(tmp_path, hf_home, CHAPTER, *ARGS, "--max-steps", "100000", "--save-dir", str(save_dir),
-                        start_new_session=True)
+    proc = ssh_launcher(
+        tmp_path, hf_home, CHAPTER, *ARGS, "--max-steps", "100000", "--save-dir", str(save_dir), start_new_session=True
+    )
     metrics = save_dir / CHAPTER / "metrics.jsonl"
     deadline = time.time() + 180
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
@@ -312,7 +335,7 @@ def test_ctrl_c_on_the_ssh_launcher_stops_every_host(tmp_path, hf_home):
     proc.communicate(timeout=60)
     assert proc.returncode != 0
     deadline = time.time() + 30
-    while (left := [p for p in psutil.process_iter(["cmdline"]) if str(save_dir) in " ".join(p.info["cmdline"] or [])]):
+    while left := [p for p in psutil.process_iter(["cmdline"]) if str(save_dir) in " ".join(p.info["cmdline"] or [])]:
         assert time.time() < deadline, f"still running on a host after Ctrl-C: {[p.info['cmdline'] for p in left]}"
         time.sleep(1)
 

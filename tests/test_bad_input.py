@@ -80,16 +80,34 @@ def write(path, text: str | bytes):
     [
         (lambda d: write(d / "data" / "train.jsonl", ""), "cannot be read"),
         (lambda d: write(d / "data" / "train.jsonl", b"\xff\xfe\x00garbage\x81" * 100), "cannot be read"),
-        (lambda d: write(d / "data" / "train.jsonl", '{"text": "ok"}\n{"text": null}\n'), "row 1 of its train split has no text"),
-        (lambda d: write(d / "data" / "train.jsonl", '{"text": 1}\n{"text": 2}\n'), "'text' column holds Value('int64')"),
-        (lambda d: write(d / "data" / "train.jsonl", '{"prompt": "hi"}\n'), "has no 'text' column (columns: ['prompt'])"),
+        (
+            lambda d: write(d / "data" / "train.jsonl", '{"text": "ok"}\n{"text": null}\n'),
+            "row 1 of its train split has no text",
+        ),
+        (
+            lambda d: write(d / "data" / "train.jsonl", '{"text": 1}\n{"text": 2}\n'),
+            "'text' column holds Value('int64')",
+        ),
+        (
+            lambda d: write(d / "data" / "train.jsonl", '{"prompt": "hi"}\n'),
+            "has no 'text' column (columns: ['prompt'])",
+        ),
         (lambda d: write(d / "data" / "train.jsonl", '{"text": "hi"}\n'), "fewer than --seq-length 16 tokens"),
         (lambda d: (d / "data").mkdir() or "data/missing", "no such file or folder"),
         (lambda d: "./missing", "no such file or folder"),
         (lambda d: write(d / "data" / "notes.docx", "x") / "notes.docx", "cannot read '.docx' files"),
     ],
-    ids=["empty-file", "binary-garbage", "null-text", "numbers-as-text", "no-text-column", "too-short", "relative-missing",
-         "dot-missing", "unknown-format"],
+    ids=[
+        "empty-file",
+        "binary-garbage",
+        "null-text",
+        "numbers-as-text",
+        "no-text-column",
+        "too-short",
+        "relative-missing",
+        "dot-missing",
+        "unknown-format",
+    ],
 )
 def test_bad_datasets_fail_with_one_line(tmp_path, hf_cache, make, words):
     message = data_error(make(tmp_path))
@@ -133,14 +151,28 @@ def tiny_model_copy(tmp_path, edit_config=None, drop=()):
     [
         (lambda d: d / "no" / "such" / "model", "no such folder"),
         (lambda d: (d / "models").mkdir() or "models/missing", "no such folder"),
-        (lambda d: tiny_model_copy(d, drop=["tokenizer.json", "tokenizer_config.json"]), "has a config but no tokenizer"),
+        (
+            lambda d: tiny_model_copy(d, drop=["tokenizer.json", "tokenizer_config.json"]),
+            "has a config but no tokenizer",
+        ),
         (lambda d: tiny_model_copy(d, edit_config=lambda c: c.pop("model_type")), "no usable config.json"),
         (lambda d: tiny_model_copy(d, drop=["config.json"]), "no usable config.json"),
         # Mamba has no position embeddings, so no length to check --seq-length against.
         (lambda d: tiny_model_copy(d, edit_config=mamba), "no max_position_embeddings"),
-        (lambda d: tiny_model_copy(d, edit_config=lambda c: c.update(model_type="bert")), "is a bert model, not a causal"),
+        (
+            lambda d: tiny_model_copy(d, edit_config=lambda c: c.update(model_type="bert")),
+            "is a bert model, not a causal",
+        ),
     ],
-    ids=["missing-folder", "relative-missing", "no-tokenizer", "no-model-type", "no-config", "no-max-positions", "bert"],
+    ids=[
+        "missing-folder",
+        "relative-missing",
+        "no-tokenizer",
+        "no-model-type",
+        "no-config",
+        "no-max-positions",
+        "bert",
+    ],
 )
 def test_bad_models_fail_with_one_line(tmp_path, hf_cache, make, words):
     message = model_error(make(tmp_path))

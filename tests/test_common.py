@@ -77,7 +77,9 @@ def test_chapter_readmes_embed_their_current_diff():
         readme = (chapter / "README.md").read_text()
         marker = f"<!-- diff: {previous.name}/train_llm.py {chapter.name}/train_llm.py -->"
         assert marker in readme, f"{chapter.name}/README.md must embed its diff against {previous.name}"
-        assert updated_readme(readme) == readme, f"stale diff in {chapter.name}/README.md: run python -m common.diff --update"
+        assert updated_readme(readme) == readme, (
+            f"stale diff in {chapter.name}/README.md: run python -m common.diff --update"
+        )
 
 
 def test_stale_diff_is_detected():

@@ -31,8 +31,17 @@ def gpu_run(chapter, save_dir, hf_home, *args, faults=None, check=True):
     probe = save_dir / "compile_counts.jsonl"
     faults = {"PROBE_COMPILE_COUNTS": probe, **(faults or {})}
     proc = run_chapter(
-        chapter, *GPU_ARGS, *args, "--save-dir", str(save_dir), hf_home=hf_home, nproc=nproc, faults=faults,
-        env={"OMP_NUM_THREADS": "4"}, check=check, timeout=900,
+        chapter,
+        *GPU_ARGS,
+        *args,
+        "--save-dir",
+        str(save_dir),
+        hf_home=hf_home,
+        nproc=nproc,
+        faults=faults,
+        env={"OMP_NUM_THREADS": "4"},
+        check=check,
+        timeout=900,
     )
     return proc, save_dir / chapter, probe
 
@@ -65,8 +74,10 @@ def test_chapter_trains_on_gpu_with_compile_and_no_recompiles(chapter, reference
     exp_dir, probe = reference_runs(chapter)
     metrics = read_metrics(exp_dir)
     first, last = metrics[1]["loss"], metrics[STEPS]["loss"]
-    print(f"\n{chapter}: loss {first:.3f} -> {last:.3f}, {metrics[STEPS]['tokens_per_s']:,.0f} tokens/s, "
-          f"MFU {metrics[STEPS]['mfu']:.2%}, peak {metrics[STEPS]['memory/peak_allocated_gib']:.2f} GiB")
+    print(
+        f"\n{chapter}: loss {first:.3f} -> {last:.3f}, {metrics[STEPS]['tokens_per_s']:,.0f} tokens/s, "
+        f"MFU {metrics[STEPS]['mfu']:.2%}, peak {metrics[STEPS]['memory/peak_allocated_gib']:.2f} GiB"
+    )
     assert abs(first - UNIFORM_LOSS) < 0.3, f"a fresh model should guess uniformly: {first} vs {UNIFORM_LOSS}"
     assert last < 0.5 * UNIFORM_LOSS, f"loss {last} did not fall well below ln(vocab) = {UNIFORM_LOSS:.2f}"
     assert all(math.isfinite(loss) for loss in losses(exp_dir))
@@ -87,21 +98,25 @@ def test_resume_after_kill_on_gpu(chapter, reference_runs, tmp_path, hf_home):
     expected, got = losses(reference), losses(exp_dir)
     before = max(abs(a - b) for a, b in zip(expected[: STEPS // 2], got[: STEPS // 2]))
     after = max(abs(a - b) for a, b in zip(expected[STEPS // 2 :], got[STEPS // 2 :]))
-    print(f"\n{chapter}: largest loss difference to the uninterrupted run: {before:.3g} before the kill "
-          f"(two runs of the same command), {after:.3g} after the resume")
+    print(
+        f"\n{chapter}: largest loss difference to the uninterrupted run: {before:.3g} before the kill "
+        f"(two runs of the same command), {after:.3g} after the resume"
+    )
     # bf16 with compile is not bitwise reproducible on GPUs (inductor picks kernel configs by timing
     # them, and reductions then add in another order): two runs of the same command differ by up to
     # ~5e-4 in loss here (H100). A resume that lost the optimizer state or the data position differs
     # by far more.
-    assert after <= 1e-3, f"resumed losses {got[STEPS // 2:]} differ from {expected[STEPS // 2:]}"
+    assert after <= 1e-3, f"resumed losses {got[STEPS // 2 :]} differ from {expected[STEPS // 2 :]}"
 
 
 @pytest.mark.parametrize("flag", ["--activation-checkpointing", "--cpu-offload"])
 def test_fsdp_memory_options_on_gpu(flag, tmp_path, hf_home):
     _, exp_dir, probe = gpu_run("04-fsdp", tmp_path, hf_home, flag)
     metrics = read_metrics(exp_dir)
-    print(f"\n04-fsdp {flag}: loss {metrics[STEPS]['loss']:.3f}, {metrics[STEPS]['tokens_per_s']:,.0f} tokens/s, "
-          f"peak {metrics[STEPS]['memory/peak_allocated_gib']:.3f} GiB")
+    print(
+        f"\n04-fsdp {flag}: loss {metrics[STEPS]['loss']:.3f}, {metrics[STEPS]['tokens_per_s']:,.0f} tokens/s, "
+        f"peak {metrics[STEPS]['memory/peak_allocated_gib']:.3f} GiB"
+    )
     assert metrics[STEPS]["loss"] < 0.5 * UNIFORM_LOSS
     counts = compile_counts(probe)
     assert counts[0] > 0 and counts[-1] == counts[WARMUP_STEPS - 1], f"frames per step {counts}"

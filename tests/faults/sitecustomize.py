@@ -75,7 +75,11 @@ if "FAULT_KILL_DURING_CHECKPOINT" in os.environ and _first_attempt:
     torch.save = _save_or_die_half_way
 
 _step_fault = next(
-    (k for k in ["FAULT_RAISE_AT_STEP", "FAULT_KILL_AT_STEP", "FAULT_NAN_AT_STEP", "FAULT_SIGNAL_AT_STEP"] if k in os.environ),
+    (
+        k
+        for k in ["FAULT_RAISE_AT_STEP", "FAULT_KILL_AT_STEP", "FAULT_NAN_AT_STEP", "FAULT_SIGNAL_AT_STEP"]
+        if k in os.environ
+    ),
     None,
 )
 if _step_fault and _first_attempt and _this_rank:
@@ -119,7 +123,9 @@ if "PROBE_COMPILE_COUNTS" in os.environ and os.environ.get("RANK", "0") == "0":
     def _step_and_count(self, *args, **kwargs):
         result = _probed_step(self, *args, **kwargs)
         with open(_probe_path, "a") as f:
-            f.write(json.dumps({"frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"]}) + "\n")
+            f.write(
+                json.dumps({"frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"]}) + "\n"
+            )
         return result
 
     torch.optim.AdamW.step = _step_and_count
@@ -156,6 +162,7 @@ if "PROBE_GRADIENT_REDUCTIONS" in os.environ and os.environ.get("RANK", "0") == 
         self.register_comm_hook(None, _counting_allreduce_hook)
 
     DistributedDataParallel.__init__ = _ddp_init_with_counting_hook
+
     def _counting(reduce_scatter):
         def counting_reduce_scatter(*args, **kwargs):
             _reductions["reduce_scatters"] += 1

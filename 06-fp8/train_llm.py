@@ -1,0 +1,647 @@
+"""Chapter 06: FP8 matmuls in the transformer blocks (torchao float8), on chapter 05's FSDP x TP.
+
+    torchrun --standalone --nproc-per-node gpu 06-fp8/train_llm.py --tp-size 2
+    torchrun --standalone --nproc-per-node 2 06-fp8/train_llm.py --fp8-emulate     # CPU: emulated
+
+With no arguments it trains a tiny Llama on a small task dataset, both shipped in common/.
+Rerunning the same command resumes from the last checkpoint in --save-dir/--experiment-name.
+"""
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import secrets
+import shutil
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+import tqdm
+import wandb
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.utils.data import DataLoader
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+from torchao.float8.float8_tensor_parallel import (
+    Float8ColwiseParallel,
+    Float8RowwiseParallel,
+    PrepareFloat8ModuleInput,
+)
+from torch.utils.data.distributed import DistributedSampler
+from transformers import AutoModelForCausalLM
+
+from common import (
+    NonFiniteGuard,
+    PhaseTimers,
+    StopSignal,
+    adamw_param_groups,
+    base_parser,
+    check_resume,
+    check_save_dir,
+    checkpoint_dir,
+    flops_per_token,
+    latest_checkpoint,
+    load_and_pack,
+    load_config_and_tokenizer,
+    loading,
+    log_metrics,
+    memory_stats,
+    non_negative_int,
+    peak_bf16_flops,
+    positive_float,
+    positive_int,
+    publish_checkpoint,
+    rank0_first,
+    record,
+    rng_state,
+    saving,
+    set_rng_state,
+    setup_logging,
+    shard_memory,
+    transformer_blocks,
+    wandb_mode,
+    warmup_cosine,
+)
+from common.fp8 import Float8Stats
+
+logger = logging.getLogger(__name__)
+
+
+@record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
+def main():
+    args = get_parser().parse_args()
+    if "RANK" not in os.environ:
+        # Started with plain python: no launcher has said which rank this is.
+        raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
+    # torchrun starts one process per GPU and tells each who it is.
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    # Rank 0 speaks for the job; the others only report warnings and errors. Across nodes, the
+    # host name says where a rank runs: ranks are not assigned in the order of a host list.
+    setup_logging(prefix=f"[{socket.gethostname()} rank={rank}] ", level=logging.INFO if rank == 0 else logging.WARNING)
+    logger.info(args)
+    # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        logger.warning(f"Workers restarted {os.environ['TORCHELASTIC_RESTART_COUNT']} time(s): resuming")
+
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but no GPU is visible (did the job request GPUs?)")
+    # A collective that waits longer than the timeout fails instead of hanging forever.
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # With --cpu-offload the shards and their gradients live on the CPU, and collectives over
+        # them (clipping's norm) need a CPU backend beside NCCL.
+        backend = "cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl"
+        dist.init_process_group(backend, timeout=timedelta(minutes=args.dist_timeout), device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
+    # fp32 weights and optimizer state; matmuls in bf16 on GPU (FSDP's mixed precision), fp32 on CPU.
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    use_compile = args.compile if args.compile is not None else device.type == "cuda"
+    # FP8 matmuls need compute capability 8.9 (Ada, Hopper) or newer. Elsewhere torchao emulates them:
+    # the same FP8 rounding, multiplied in high precision, for learning and testing; no speed-up.
+    if not args.fp8_emulate and not (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)):
+        raise SystemExit(
+            f"error: this {device.type} has no FP8 matmuls (an H100, L40S, RTX 4090 or newer has): "
+            "pass --fp8-emulate to emulate them, with no speed-up"
+        )
+    if args.cpu_offload and device.type != "cuda":
+        raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
+    # Two dimensions. tp, the inner one, groups --tp-size consecutive ranks: the GPUs of one node,
+    # whose NVLink carries the collectives TP runs inside every block. dp, across the groups, is
+    # chapter 04's FSDP: each tp group is one data-parallel replica, and trains on its own rows.
+    if world_size % args.tp_size:
+        raise SystemExit(f"error: --tp-size {args.tp_size} must divide the number of ranks ({world_size})")
+    if int(os.environ["LOCAL_WORLD_SIZE"]) % args.tp_size:
+        logger.warning(f"--tp-size {args.tp_size} spans nodes: every block then waits for the network")
+    mesh = init_device_mesh(device.type, (world_size // args.tp_size, args.tp_size), mesh_dim_names=("dp", "tp"))
+    dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+
+    # Everything that can fail on bad input happens before anything is written.
+    check_save_dir(args.save_dir)
+    if args.export_hf and os.path.isfile(args.export_hf):
+        raise SystemExit(f"error: --export-hf {args.export_hf!r} is a file: pass a folder to export into")
+    with rank0_first(local=args.node_local_cache):
+        config, tokenizer = load_config_and_tokenizer(args.model_name, args.seq_length)
+    # The export is in the dtype the model was published in (bf16 for most), not in training's fp32.
+    # Read it now: building the model in fp32 overwrites config.dtype.
+    export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
+    # Each rank computes whole attention heads, and sequence parallel splits every row's tokens.
+    for name, value in [
+        ("attention heads", config.num_attention_heads),
+        ("key/value heads", getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
+        ("--seq-length", args.seq_length),
+    ]:
+        if value % args.tp_size:
+            raise SystemExit(f"error: --tp-size {args.tp_size} must divide the model's {name} ({value})")
+
+    with rank0_first(local=args.node_local_cache):
+        train_data, val_data = load_and_pack(args.dataset_name, tokenizer, args.seq_length, args.val_fraction)
+    # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows on every dp
+    # replica; the ranks of a tp group share their replica's rows.
+    global_batch_rows = dp_size * args.batch_size * args.grad_accum_steps
+    steps_per_epoch = len(train_data) // global_batch_rows
+    val_rows = len(val_data) if val_data is not None else 0
+    if steps_per_epoch == 0 or 0 < val_rows < dp_size * args.batch_size:
+        raise SystemExit(
+            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} on {dp_size} replicas "
+            f"is larger than the dataset ({len(train_data)} training and {val_rows} validation rows of "
+            f"{args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
+        )
+    total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
+    logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
+
+    # Only rank 0 ever holds the whole model, and only on the CPU: built there as in the chapters
+    # before (so the same seed gives the same weights), or loaded with --from-pretrained.
+    torch.manual_seed(args.seed)
+    full_model = None
+    try:
+        # A phase of rank 0 alone (a first run downloads the weights): the other ranks wait for it, for
+        # at most --dist-timeout. Raise it, or download first, for big models.
+        with rank0_first():
+            if rank == 0 and args.from_pretrained:
+                logger.info(f"Loading {args.model_name}; the other ranks wait up to {args.dist_timeout:g} min")
+                full_model = AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
+            elif rank == 0:
+                full_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except OSError as err:
+        raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
+    # Every rank builds the structure on the meta device (shapes, no memory), shards it, and
+    # allocates only its own shards on its device.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Found once, now: fully_shard changes each block's class, and then the names would not match.
+    blocks = transformer_blocks(model)
+    # The blocks' linear layers compute in FP8, scaled per tensor or per row (--fp8-recipe). The
+    # output layer stays in high precision: the logits are where FP8's rounding would cost most.
+    fp8_config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(args.fp8_recipe),
+        emulate=args.fp8_emulate,
+        # With one scale per tensor, FSDP all-gathers the weights in FP8: half the bytes of bf16.
+        enable_fsdp_float8_all_gather=args.fp8_recipe == "tensorwise",
+    )
+    for block in blocks:
+        # FP8 matmuls need both dimensions to be multiples of 16: a layer that is not stays as it is.
+        convert_to_float8_training(
+            block, config=fp8_config, module_filter_fn=lambda m, _: m.in_features % 16 == 0 == m.out_features % 16
+        )
+    if args.activation_checkpointing:
+        # Each block keeps only its input; its activations are recomputed during backward.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
+    # TP first, then FSDP shards the TP shards over dp: each weight is split in two dimensions.
+    if args.tp_size > 1:
+        # (gloo cannot send FP8 bytes: on the CPU, inputs are all-gathered first, then cast, to the same numbers.)
+        fp8_all_gather = args.fp8_recipe == "tensorwise" and device.type == "cuda"
+        apply_tp(model, blocks, mesh["tp"], fp8_all_gather)
+    apply_fsdp(model, blocks, mesh["dp"], mp_policy, offload_policy)
+    model.to_empty(device="cpu" if args.cpu_offload else device)
+    # Rank 0's full weights, sent tensor by tensor into every rank's shards.
+    set_model_state_dict(
+        model,
+        full_model.state_dict() if rank == 0 else {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    # Buffers outside the state dict (Llama's rotary frequencies) are not sent: send them too, to
+    # the device, where the model computes (with --cpu-offload, to_empty left them on the CPU).
+    for name, buffer in model.named_buffers():
+        value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty_like(buffer, device=device)
+        dist.broadcast(value, src=0)
+        module_name, _, buffer_name = name.rpartition(".")
+        setattr(model.get_submodule(module_name), buffer_name, value)
+    del full_model
+    num_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its full size
+    logger.info(f"{num_params:,} parameters, split over {args.tp_size} tp ranks and sharded over {dp_size} dp ranks")
+
+    optimizer = torch.optim.AdamW(
+        adamw_param_groups(model, args.weight_decay),
+        lr=args.lr,
+        betas=(0.9, args.beta2),
+        fused=device.type == "cuda" and not args.cpu_offload,
+    )
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup_steps, total_steps))
+
+    exp_dir = Path(args.save_dir) / args.experiment_name
+    # The data position counts steps of global_batch_rows rows of seq_length tokens.
+    layout = {"global_batch_rows": global_batch_rows, "seq_length": args.seq_length}
+    # One wandb id for the job, drawn by rank 0: every rank must name its run after the same id.
+    wandb_run_id = [secrets.token_hex(4)]
+    dist.broadcast_object_list(wandb_run_id, src=0)
+    state = {
+        "epoch": 0,
+        "epoch_step": 0,
+        "global_step": 0,
+        "running_loss": 0.0,  # summed since the last log line: a resumed run logs the same mean
+        "steps_since_log": 0,
+        "wandb_run_id": wandb_run_id[0],
+        **layout,
+    }
+    checkpoint = latest_checkpoint(exp_dir)
+    # Every rank must resume from the same step. A --save-dir on each node's own disk would let
+    # the ranks of other nodes silently start over: check against what rank 0 sees.
+    rank0_checkpoint = [checkpoint]
+    dist.broadcast_object_list(rank0_checkpoint, src=0)
+    if checkpoint != rank0_checkpoint[0]:
+        raise SystemExit(
+            f"error: rank {rank} on {socket.gethostname()} finds checkpoint {checkpoint}, rank 0 finds "
+            f"{rank0_checkpoint[0]}: --save-dir must be one folder shared by all nodes"
+        )
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
+        check_resume(checkpoint, state, layout)
+        logger.info(f"Resumed from {checkpoint} at step {state['global_step']}")
+
+    # Each block compiled on its own: FSDP's hooks between blocks stay outside the compiled code.
+    if use_compile:
+        for block in blocks:
+            block.compile()
+
+    # One wandb run per rank (each rank's timings and memory are its own), grouped by job. The
+    # ids come from the checkpoint, as in chapter 01: a new run never continues an old one.
+    wandb_dir = exp_dir / f"rank-{rank}"
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    wandb.init(
+        dir=wandb_dir,
+        id=f"{state['wandb_run_id']}-{rank}",
+        name=f"{args.experiment_name}-rank-{rank}",
+        group=f"{args.experiment_name}-{state['wandb_run_id']}",
+        resume="allow",
+        config=vars(args),
+        mode=wandb_mode(),
+    )
+
+    tokens_per_step = global_batch_rows * args.seq_length
+    flops_per_step = tokens_per_step * flops_per_token(model, config, args.seq_length)
+    peak_flops = peak_bf16_flops(device)
+    timers = PhaseTimers(device)
+    guard = NonFiniteGuard(device)
+    stop = StopSignal()
+    if args.fp8_stats_every:
+        groups = {"dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group(), "world": None, "none": None}
+        fp8_stats = Float8Stats(model, groups[args.fp8_stats_group], reduce=args.fp8_stats_group != "none")
+    postfix = {}  # what the progress bar shows after the counts
+    # Rank 0 carries the job's loss sum from before the checkpoint; the others start from zero.
+    running_loss = state["running_loss"] if rank == 0 else 0.0
+    steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
+
+    with tqdm.tqdm(
+        total=total_steps, initial=state["global_step"], desc="training", dynamic_ncols=True, disable=rank != 0
+    ) as progress:
+        model.train()
+        stopping = None
+        while state["global_step"] < total_steps and not stopping:
+            # Each dp replica takes every dp_size-th row of the same permutation. By dp rank, not by
+            # rank: the ranks of a tp group must see the same rows, or each would split another batch.
+            sampler = DistributedSampler(
+                train_data, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=args.seed, drop_last=True
+            )
+            sampler.set_epoch(state["epoch"])
+            # On resume, the batches this epoch already trained on are skipped by index, never loaded.
+            indices = list(sampler)[state["epoch_step"] * global_batch_rows // dp_size :]
+            dataloader = DataLoader(
+                train_data,
+                sampler=indices,
+                batch_size=args.batch_size,
+                drop_last=True,
+                pin_memory=device.type == "cuda",
+            )
+            batches = iter(dataloader)
+
+            for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
+                step_loss = 0.0
+                fp8_stats_step = args.fp8_stats_every and (state["global_step"] + 1) % args.fp8_stats_every == 0
+                if fp8_stats_step:
+                    fp8_stats.start()  # this step runs eagerly, with hooks on every FP8 layer
+                for micro_step in range(args.grad_accum_steps):
+                    # As with DDP's no_sync: the micro-steps before the last keep their gradients unsharded
+                    # and add to them (a full gradient per rank, 4 bytes per parameter, until the last),
+                    # and the last reduce-scatters the sum once.
+                    model.set_requires_gradient_sync(micro_step == args.grad_accum_steps - 1)
+                    with timers("data"):
+                        batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+
+                    # loss_parallel: the logits stay split over the vocabulary, each tp rank holding its
+                    # part, and the cross-entropy combines the parts (forward and backward) without ever
+                    # gathering them: full-vocabulary logits are the largest activation of a small model.
+                    with timers("forward"), loss_parallel():
+                        # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
+                        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
+                        # Each micro-batch's mean loss is divided by their number: the gradients they add up
+                        # to are those of the mean loss over all rows of the step, as one big batch would give.
+                        loss = next_token_loss(logits, batch["labels"]) / args.grad_accum_steps
+
+                    with timers("backward"), loss_parallel():
+                        loss.backward()
+                    step_loss += loss.detach()
+
+                with timers("optimizer"):
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    if fp8_config.enable_fsdp_float8_all_gather:
+                        # The next step's FP8 weight scales, all at once (one all-reduce for their amaxes).
+                        precompute_float8_dynamic_scale_for_fsdp(model)
+                    lr_scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                if fp8_stats_step:
+                    fp8_metrics = {"step": state["global_step"] + 1, **fp8_stats.stop()}
+                    log_metrics(fp8_metrics, exp_dir / "metrics.jsonl" if rank == 0 else None)
+
+                state["global_step"] += 1
+                state["epoch_step"] += 1
+                progress.update()
+                # Accumulated on the device: calling .item() every step would wait for the GPU every step.
+                running_loss += step_loss
+                steps_since_log += 1
+                guard.update(state["global_step"], step_loss, grad_norm)
+
+                # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
+                stopping = stop.agreed(device)
+                if state["global_step"] % args.log_freq == 0 or state["global_step"] == total_steps:
+                    # Each replica saw other rows: the job's loss is the mean over ranks (a tp group's
+                    # ranks hold the same loss, so this is the mean over replicas).
+                    dist.all_reduce(running_loss, op=dist.ReduceOp.SUM)
+                    timings = timers.summary(steps_since_log)  # waits for the GPU: elapsed then covers all queued work
+                    elapsed = time.perf_counter() - log_start
+                    guard.check()
+                    metrics = {
+                        "step": state["global_step"],
+                        "epoch": state["epoch"],
+                        "loss": running_loss.item() / steps_since_log / world_size,
+                        "lr": lr_scheduler.get_last_lr()[0],
+                        "grad_norm": grad_norm.item(),
+                        "tokens_per_s": steps_since_log * tokens_per_step / elapsed,
+                        **timings,
+                        **memory_stats(device),
+                        **shard_memory(model, optimizer),
+                    }
+                    if peak_flops:
+                        metrics["mfu"] = steps_since_log * flops_per_step / elapsed / (world_size * peak_flops)
+                    log_metrics(metrics, exp_dir / "metrics.jsonl" if rank == 0 else None)
+                    postfix.update(loss=f"{metrics['loss']:.3f}", tokens_per_s=f"{metrics['tokens_per_s']:.0f}")
+                    progress.set_postfix(postfix)
+                    running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
+
+                if (
+                    val_data is not None
+                    and not stopping
+                    and (state["global_step"] % args.eval_every == 0 or state["global_step"] == total_steps)
+                ):
+                    val_loss = evaluate(model, val_data, args, device, mesh["dp"])
+                    val_metrics = {"step": state["global_step"], "val_loss": val_loss}
+                    log_metrics(val_metrics, exp_dir / "metrics.jsonl" if rank == 0 else None)
+                    postfix.update(val_loss=f"{val_loss:.3f}")
+                    progress.set_postfix(postfix)
+                    log_start = time.perf_counter()  # evaluating is not training: keep it out of tokens/s
+
+                if state["global_step"] % args.ckpt_freq == 0 or state["global_step"] == total_steps or stopping:
+                    guard.check()  # a model with NaN weights never becomes a checkpoint
+                    job_loss = torch.tensor(float(running_loss), device=device)
+                    dist.all_reduce(job_loss, op=dist.ReduceOp.SUM)
+                    state["running_loss"], state["steps_since_log"] = job_loss.item(), steps_since_log
+                    # Every rank writes its own shards; rank 0 adds the rest and publishes the checkpoint.
+                    save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, rank, args.keep_checkpoints)
+                    log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
+                if stopping:
+                    break
+
+            if state["epoch_step"] == steps_per_epoch:
+                state["epoch"] += 1
+                state["epoch_step"] = 0
+
+    if args.export_hf and not stopping:
+        export_hf(model, config, tokenizer, args.export_hf, export_dtype, rank)
+    if not stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
+        wandb.finish()
+    if stopping:
+        logger.info(f"Stopped by {stopping} at step {state['global_step']}: rerun the same command to resume")
+    else:
+        logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
+    dist.destroy_process_group()
+
+
+def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
+    """Shards each transformer block, then the root (embeddings, final norm, output head).
+
+    A block is the unit of communication: its weights are all-gathered just before its forward and
+    backward and freed right after, and its gradients reduce-scattered as soon as they are ready.
+    """
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+
+
+def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
+    """Splits each block's matmuls over the tp ranks (Megatron-LM's tensor parallel) and its norms
+    over the tokens (sequence parallel); the embedding and the output layer over the vocabulary.
+
+    In a block, q/k/v and gate/up are split by output column (each rank computes whole heads and
+    a slice of the MLP), o and down by input row: their partial sums are reduce-scattered over the
+    tokens, and the norms and residual adds between them run on 1/tp of the tokens.
+    Before attention and the MLP, the tokens are all-gathered again. The plan names Llama's modules
+    (Mistral, Qwen and others share them); HF passes attention its input by keyword.
+
+    With one FP8 scale per tensor, torchao's float8 styles cast the blocks' inputs to FP8 before
+    all-gathering them: half the bytes. (Per-row scales cannot be computed on a slice of the tokens.)
+    """
+    if fp8_all_gather:
+        colwise, rowwise, prepare_input = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    else:
+        colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    root_plan = {
+        # The embedding's output is the first residual stream: split over the tokens. It stays a
+        # DTensor (use_local_output=False), whose shape HF reads as the full sequence's.
+        "model.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        ),
+        "model.norm": SequenceParallel(),
+        # The logits stay split over the vocabulary for loss_parallel.
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    block_plan = {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": prepare_input(
+            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+        ),
+        "self_attn.q_proj": colwise(),
+        "self_attn.k_proj": colwise(),
+        "self_attn.v_proj": colwise(),
+        "self_attn.o_proj": rowwise(output_layouts=Shard(1), use_local_output=False),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": colwise(),
+        "mlp.up_proj": colwise(),
+        "mlp.down_proj": rowwise(output_layouts=Shard(1), use_local_output=False),
+    }
+    # parallelize_module skips a name it cannot find, with only a warning: a model of another
+    # layout would train with some layers unsplit.
+    missing = [n for n in root_plan if not _has(model, n)] + [n for n in block_plan if not _has(blocks[0], n)]
+    if missing:
+        raise SystemExit(f"error: --tp-size: apply_tp's plan is for Llama-style models; this one has no {missing}")
+    parallelize_module(model, tp_mesh, root_plan)
+    for block in blocks:
+        parallelize_module(block, tp_mesh, block_plan)
+    if model.config.tie_word_embeddings:
+        # Both were split over the vocabulary (dim 0) alike, but into two new parameters: tie them again.
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _has(module, name) -> bool:
+    try:
+        module.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def next_token_loss(logits, labels):
+    """Chapter 01's loss, the one HF computes from labels: the mean cross-entropy of every token's
+    prediction of the next one (a row's last token predicts nothing), in fp32."""
+    labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    # Under loss_parallel, the same value on every tp rank: its local copy, which backward goes through.
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def export_hf(model, config, tokenizer, folder, dtype, rank):
+    """Writes a folder that `from_pretrained` loads: the full weights, gathered onto rank 0's CPU.
+
+    Rank 0 alone converts and writes them while the other ranks wait at the barrier, for at most
+    --dist-timeout: a model of many GB on a slow disk may need more.
+    """
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        with torch.device("meta"):
+            export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        export_model.load_state_dict({name: value.to(dtype) for name, value in full_state.items()}, assign=True)
+        export_model.tie_weights()  # converted one by one, tied weights became two tensors again
+        export_model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        logger.info(f"Exported the model to {folder} in {dtype}")
+    dist.barrier()
+
+
+def evaluate(model, val_data, args, device, dp_mesh) -> float:
+    """The mean loss over the first --eval-batches global batches of the validation rows, without
+    gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
+    global_batch = dp_mesh.size() * args.batch_size
+    rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
+    # Each replica takes every dp_size-th row, and the sum of the batches' mean losses is all-reduced
+    # over the replicas.
+    sampler = DistributedSampler(rows, num_replicas=dp_mesh.size(), rank=dp_mesh.get_local_rank(), shuffle=False)
+    total = torch.zeros((), device=device)
+    model.eval()
+    with torch.no_grad(), loss_parallel():
+        for batch in DataLoader(rows, sampler=sampler, batch_size=args.batch_size):
+            logits = model(input_ids=batch["input_ids"].to(device), use_cache=False).logits
+            total += next_token_loss(logits, batch["labels"].to(device))
+    model.train()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_mesh.get_group())
+    return total.item() / (len(rows) // args.batch_size)
+
+
+def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, rank, keep):
+    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position."""
+    final_dir = checkpoint_dir(exp_dir, state["global_step"])
+    # Written under a temporary name and renamed when complete: a crash mid-save leaves no
+    # checkpoint that resume would trust.
+    tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
+    with saving(tmp_dir, state["global_step"]):
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            tmp_dir.mkdir(parents=True)
+        dist.barrier()
+        # Every rank writes its own shards, in parallel, and DCP records where each shard sits in the
+        # full tensor: a job with another number of ranks can load them, resharded.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp_dir)
+        if rank == 0:
+            torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
+            # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
+            torch.save(rng_state(device), tmp_dir / "rng.pt")
+            (tmp_dir / "state.json").write_text(json.dumps(state))
+            publish_checkpoint(tmp_dir, final_dir, keep)
+            logger.info(f"Saved {final_dir}")
+    # No rank runs ahead (and may crash) before the checkpoint is complete.
+    dist.barrier()
+
+
+def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
+    with loading(checkpoint):
+        # DCP loads in place into this run's shards, whatever the number of ranks that saved them.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        shards = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(shards, checkpoint_id=checkpoint)
+        set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
+        lr_scheduler.load_state_dict(torch.load(checkpoint / "lr_scheduler.pt"))
+        set_rng_state(torch.load(checkpoint / "rng.pt"), device)
+        return json.loads((checkpoint / "state.json").read_text())
+
+
+def get_parser():
+    parser = base_parser(__doc__, __file__)
+    parser.add_argument(
+        "--dist-timeout", type=positive_float, default=10, help="minutes a collective may wait before the job fails"
+    )
+    parser.add_argument(
+        "--node-local-cache",
+        action="store_true",
+        help="HF_HOME is on each node's own disk: local rank 0 of every node prepares the data",
+    )
+    parser.add_argument(
+        "--tp-size", type=positive_int, default=1, help="ranks that split each layer (the GPUs of a node, or fewer)"
+    )
+    parser.add_argument(
+        "--fp8-recipe",
+        choices=["tensorwise", "rowwise"],
+        default="tensorwise",
+        help="one FP8 scale per tensor, or per row",
+    )
+    parser.add_argument(
+        "--fp8-emulate", action="store_true", help="emulate FP8 matmuls on hardware without them (CPU): no speed-up"
+    )
+    parser.add_argument(
+        "--fp8-stats-every", type=non_negative_int, default=0, help="steps between FP8 precision statistics (0: never)"
+    )
+    parser.add_argument(
+        "--fp8-stats-group",
+        choices=["dp", "tp", "world", "none"],
+        default="world",
+        help="ranks whose statistics are combined",
+    )
+    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    parser.add_argument("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
+    parser.add_argument("--export-hf", help="at the end, write the model and tokenizer here for from_pretrained")
+    parser.add_argument(
+        "--export-dtype", choices=["bfloat16", "float16", "float32"], help="default: the dtype in the model's config"
+    )
+    return parser
+
+
+if __name__ == "__main__":
+    main()

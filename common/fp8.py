@@ -1,0 +1,110 @@
+"""FP8 precision statistics for chapter 06: how much of each tensor FP8 loses, measured torch-natively.
+
+In the spirit of Transformer Engine's precision debug tools: on the steps it is asked to, for every
+layer that computes in FP8 (torchao's `Float8Linear`), for its input, its weight and the gradient of
+its output, the amax and the fractions of values that
+- **underflow**: non-zero, but zero once scaled and cast (too small for FP8's range at this scale);
+- **saturate**: beyond FP8's largest value once scaled, clamped to it.
+The scales are those the layer's recipe computes (tensorwise: one per tensor; rowwise: one per row,
+rounded to a power of 2), with the recipe's dtypes (e4m3 for inputs and weights; e5m2 for output
+gradients in the tensorwise recipe). Each rank measures the pieces it holds, and the counts are
+reduced over a process group. Dynamic scaling maps each amax onto FP8's largest value, so with
+torchao's recipes nothing saturates by construction: the number to watch is underflow.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torchao.float8.config import ScalingGranularity
+from torchao.float8.float8_linear import Float8Linear
+from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+_STATS = ["amax", "underflow", "saturated", "count"]
+
+
+class Float8Stats:
+    """`start()` before a step's forward and `stop()` after its backward return the statistics of
+    that step. Hooks exist only between the two, and compiled code runs eagerly there (compiled
+    graphs have no hooks), so steps without statistics cost nothing."""
+
+    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None, reduce: bool = True):
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+        self.group, self.reduce = group, reduce
+        self.handles, self.values = [], {}
+
+    def start(self) -> None:
+        torch.compiler.set_stance("force_eager")
+        self.values = {}
+        for name, module in self.layers.items():
+            # prepend: before TP's own pre-hook casts or gathers the input.
+            self.handles.append(module.register_forward_pre_hook(self._input_hook(name), prepend=True))
+            self.handles.append(module.register_forward_hook(self._output_hook(name)))
+
+    def stop(self) -> dict[str, float]:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        torch.compiler.set_stance("default")
+        for name, module in self.layers.items():
+            self._measure(f"{name}/weight", module.weight, module.config.cast_config_weight, module)
+        keys = sorted(self.values)
+        stats = torch.stack([self.values[key] for key in keys])  # one row per tensor: amax, underflow, saturated, count
+        if self.reduce:
+            amax, counts = stats[:, :1].contiguous(), stats[:, 1:].contiguous()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.group)
+            stats = torch.cat([amax, counts], dim=1)
+        metrics = {}
+        for key, (amax, underflow, saturated, count) in zip(keys, stats.tolist()):
+            metrics[f"fp8/{key}_amax"] = amax
+            metrics[f"fp8/{key}_underflow"] = underflow / max(count, 1)
+            metrics[f"fp8/{key}_saturated"] = saturated / max(count, 1)
+        return metrics
+
+    def _input_hook(self, name):
+        def hook(module, args):
+            self._measure(f"{name}/input", args[0], module.config.cast_config_input, module)
+
+        return hook
+
+    def _output_hook(self, name):
+        def hook(module, args, output):
+            if output.requires_grad:
+                config = module.config.cast_config_grad_output
+                output.register_hook(lambda grad: self._measure(f"{name}/grad_output", grad, config, module))
+
+        return hook
+
+    def _measure(self, key: str, tensor: torch.Tensor, cast_config, module) -> None:
+        if isinstance(tensor, DTensor):
+            tensor = tensor.to_local()
+        if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+            # Already cast to FP8 before it reached the layer (TP's float8 all-gather): nothing to measure.
+            tensor = getattr(tensor, "_tensor", None)  # FSDP's float8 all-gather wraps the weight
+            if tensor is None:
+                return
+        x = tensor.detach().float()
+        dtype = cast_config.target_dtype or torch.float8_e4m3fn
+        rowwise = cast_config.scaling_granularity is ScalingGranularity.AXISWISE
+        scale = tensor_to_scale(
+            x,
+            dtype,
+            scaling_granularity=cast_config.scaling_granularity,
+            axiswise_dim=-1 if rowwise else None,
+            round_scales_to_power_of_2=module.config.round_scales_to_power_of_2,
+        )
+        scaled = x * scale
+        cast = to_fp8_saturated(scaled, dtype)
+        row = torch.stack(
+            [
+                x.abs().max(),
+                ((cast == 0) & (x != 0)).sum().float(),
+                # The amax itself may land a float32 rounding above the largest value: not saturation.
+                (scaled.abs() > torch.finfo(dtype).max * (1 + 1e-6)).sum().float(),
+                torch.tensor(float(x.numel()), device=x.device),
+            ]
+        )
+        if key in self.values:  # another micro-batch, or a recomputed forward: add up
+            old = self.values[key]
+            row = torch.cat([torch.maximum(old[:1], row[:1]), old[1:] + row[1:]])
+        self.values[key] = row
