@@ -4,6 +4,7 @@
     python -m common.benchmark 02 --nproc 2 --steps 200 -- --batch-size 4
     python -m common.benchmark 02 --nproc gpu -- --model-name meta-llama/Llama-3.2-1B --seq-length 2048
     python -m common.benchmark 01 --steps 40 -- --model-name common/llama_1b_shape --seq-length 2048 --batch-size 8
+    python -m common.benchmark 05 --nproc 2 --markdown -- --tp-size 2     # a row of BENCHMARKS.md's table
 
 Runs the chapter's train_llm.py as users do (`python`, or `torchrun --standalone` with --nproc), into
 a temporary folder with wandb disabled, then summarizes its metrics.jsonl. The first two log
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("chapter", help="chapter number, e.g. 01")
     parser.add_argument("--nproc", help="processes per node for torchrun (a number, or gpu); none runs python")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--markdown", action="store_true", help="print one row of BENCHMARKS.md's table")
     # Everything after -- goes to train_llm.py unparsed.
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
@@ -64,6 +66,9 @@ def main() -> None:
         if torch.cuda.is_available()
         else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     )
+    if args.markdown:
+        print(markdown_row(script, args, train_args, measured, device))
+        return
     print(
         f"\n{script.parent.name}, {args.nproc or 1} process(es) on {device}, steps {measured[0]['step']}-{measured[-1]['step']}:"
     )
@@ -77,6 +82,34 @@ def main() -> None:
     for key in sorted(k for k in measured[-1] if k.startswith("time/")):
         print(f"  {key.removeprefix('time/'):<13} {statistics.median(r[key] for r in measured):.1f} (median)")
     print(f"  final loss    {measured[-1]['loss']:.3f}")
+
+
+MARKDOWN_HEADER = (
+    "| chapter | processes | dp × tp | dtype | tokens/s | tokens/s per process | MFU | peak memory, rank 0 "
+    "| forward / backward / optimizer ms | device | command |\n|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def markdown_row(script, args, train_args, measured, device) -> str:
+    """One row of the table in BENCHMARKS.md (its header: MARKDOWN_HEADER), with the exact command."""
+
+    def flag(name, default):
+        return train_args[train_args.index(name) + 1] if name in train_args else default
+
+    processes = 1 if not args.nproc else int(args.nproc) if args.nproc.isdigit() else torch.cuda.device_count()
+    tp = int(flag("--tp-size", 1))
+    dtype = flag("--dtype", "bfloat16" if torch.cuda.is_available() else "float32")
+    if script.parent.name.startswith("06"):
+        dtype += f" + FP8 {flag('--fp8-recipe', 'tensorwise')}" + (" (emulated)" if "--fp8-emulate" in train_args else "")
+    tokens = statistics.median(r["tokens_per_s"] for r in measured)
+    mfu = f"{statistics.median(r['mfu'] for r in measured):.1%}" if "mfu" in measured[-1] else "n/a"
+    peaks = [k for k in measured[-1] if k.startswith("memory/peak")]
+    memory = f"{max(r[peaks[0]] for r in measured):.2f} GiB" if peaks else "n/a"
+    phases = "/".join(f"{statistics.median(r[f'time/{p}_ms'] for r in measured):.0f}" for p in ["forward", "backward", "optimizer"])
+    command = " ".join(["python -m common.benchmark", *sys.argv[1:]])
+    cells = [script.parent.name, processes, f"{processes // tp} × {tp}", dtype, f"{tokens:,.0f}",
+             f"{tokens / processes:,.0f}", mfu, memory, phases, device, f"`{command}`"]  # fmt: skip
+    return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def logged_steps(save_dir: str) -> set[int]:

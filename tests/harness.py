@@ -68,9 +68,13 @@ def run_chapter(
         cmd = [sys.executable, script, *args]
     else:
         cmd = [*torchrun("--standalone", f"--nproc-per-node={nproc}", *torchrun_args), script, *args]
-    proc = subprocess.run(
-        cmd, env=chapter_env(hf_home, env, faults), cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
+    try:
+        proc = subprocess.run(
+            cmd, env=chapter_env(hf_home, env, faults), cwd=REPO, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as hung:  # what it printed says where it hung
+        stderr = hung.stderr.decode(errors="replace") if isinstance(hung.stderr, bytes) else hung.stderr or ""
+        raise AssertionError(f"{' '.join(cmd)} still ran after {timeout} s:\n{stderr[-8000:]}") from None
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-5000:]}")
     return proc

@@ -3,6 +3,7 @@ import shutil
 
 import pytest
 import torch
+from common.plan import Layout, count, plan
 from harness import FAST_ARGS, REPO, UNIFORM_LOSS, compiled_graphs, last_lines, losses, read_metrics, run_chapter
 
 CHAPTER = "04-fsdp"
@@ -64,6 +65,10 @@ def test_each_rank_holds_half(fsdp_run):
     params, moments = metrics["memory/params_gib"] * 2**30, metrics["memory/optimizer_gib"] * 2**30
     assert params == pytest.approx(NUM_PARAMS * 4 / 2, rel=0.05)
     assert moments == pytest.approx(2 * NUM_PARAMS * 4 / 2, rel=0.05)
+    # The planner (python -m common.plan) predicts both.
+    predicted = plan(count(str(REPO / "common" / "tiny_llama")), Layout("FSDP", gpus=2), 4, 128, 4, fp8=False)
+    assert params == pytest.approx(predicted["weights"], rel=0.05)
+    assert moments == pytest.approx(predicted["optimizer"], rel=0.05)
 
 
 @pytest.fixture(scope="module")

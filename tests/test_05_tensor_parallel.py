@@ -3,6 +3,7 @@ import shutil
 
 import pytest
 import torch
+from common.plan import Layout, count, plan
 from harness import FAST_ARGS, REPO, UNIFORM_LOSS, compiled_graphs, last_lines, losses, read_metrics, run_chapter
 
 CHAPTER = "05-tensor-parallel"
@@ -56,6 +57,10 @@ def test_2d_mesh_matches_ddp_and_shards_both_ways(ddp_reference, mesh_run):
     metrics = read_metrics(mesh_run / CHAPTER)[STEPS]
     assert metrics["memory/params_gib"] * 2**30 == pytest.approx(NUM_PARAMS * 4 / 4, rel=0.05)
     assert metrics["memory/optimizer_gib"] * 2**30 == pytest.approx(2 * NUM_PARAMS * 4 / 4, rel=0.05)
+    # As the planner (python -m common.plan) predicts.
+    predicted = plan(count(str(REPO / "common" / "tiny_llama")), Layout("FSDP x TP", gpus=4, tp=2), 4, 128, 4, fp8=False)
+    assert metrics["memory/params_gib"] * 2**30 == pytest.approx(predicted["weights"], rel=0.05)
+    assert metrics["memory/optimizer_gib"] * 2**30 == pytest.approx(predicted["optimizer"], rel=0.05)
 
 
 def test_resume_on_another_layout(tmp_path, hf_home, ddp_reference, mesh_run):

@@ -101,14 +101,27 @@ def test_diff_command_unknown_chapter():
     assert proc.returncode != 0 and "no chapter '42'" in proc.stderr
 
 
-def test_benchmark_command(tmp_path):
-    cmd = [sys.executable, "-m", "common.benchmark", "01", "--steps", "30", "--", "--batch-size", "2"]
+@pytest.mark.parametrize(
+    "argv, cells",
+    [
+        (["01", "--steps", "30", "--", "--batch-size", "2"], ["01-single-gpu", "1", "1 × 1", "float32"]),
+        (["05", "--nproc", "2", "--steps", "20", "--", "--tp-size", "2"], ["05-tensor-parallel", "2", "1 × 2", "float32"]),
+    ],
+    ids=["01", "05-tp"],
+)
+def test_benchmark_prints_a_row_of_the_table(tmp_path, argv, cells):
+    from common.benchmark import MARKDOWN_HEADER
+
+    cmd = [sys.executable, "-m", "common.benchmark", "--markdown", *argv]
     env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "01-single-gpu, 1 process(es) on CPU" in proc.stdout
-    assert re.search(r"tokens/s +[\d,]+ \(median of 1 log intervals\)", proc.stdout), proc.stdout
-    assert re.search(r"peak_rss_gib +\d+\.\d\d GiB", proc.stdout), proc.stdout
+    row = [cell.strip() for cell in proc.stdout.strip().splitlines()[-1].strip("|").split("|")]
+    assert len(row) == MARKDOWN_HEADER.splitlines()[0].count("|") - 1, row
+    assert row[:4] == cells, row
+    assert re.fullmatch(r"[\d,]+", row[4]) and row[6] == "n/a" and re.fullmatch(r"\d+\.\d\d GiB", row[7]), row
+    assert re.fullmatch(r"\d+/\d+/\d+", row[8]) and row[9].startswith("CPU"), row
+    assert row[10] == f"`python -m common.benchmark --markdown {' '.join(argv)}`", row
 
 
 def test_each_chapter_runs_in_its_own_folder_by_default():
@@ -209,3 +222,57 @@ def test_adamw_decays_the_weight_matrices_only_and_fsdp_keeps_the_groups():
         assert grouped(model) == [decay, no_decay]
     finally:
         dist.destroy_process_group()
+
+
+def test_planner_counts_the_activations_hf_llama_saves():
+    """The planner's activation formula against the bytes HF's Llama really keeps for backward (the
+    tensors autograd saves, weights excluded), in fp32 on the CPU, at Llama-3.2-1B's width with 2 blocks."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from common.plan import activation_bytes
+
+    config = LlamaConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=512, max_position_embeddings=256,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    input_ids = torch.randint(0, 512, (2, 128))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=input_ids, labels=input_ids, use_cache=False)
+    widths = {"hidden": 2048, "kv": 512, "mlp": 8192, "vocab": 512, "layers": 2}
+    assert sum(saved.values()) == pytest.approx(activation_bytes(widths, 2 * 128, 1, False, 4), rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--gpus-per-node", "8", "--tp-size", "3"], "--tp-size 3 must divide the 8 GPUs"),
+        (["--gpus-per-node", "2", "--tp-size", "4"], "fit in a node of 2"),
+        (["--gpus-per-node", "16", "--tp-size", "16"], "must divide the model's attention heads (8)"),
+    ],
+)
+def test_planner_refuses_impossible_layouts(argv, words):
+    from common.plan import main
+
+    with pytest.raises(SystemExit) as exit:
+        main([str(REPO / "common" / "tiny_llama"), *argv])
+    assert str(exit.value.code).startswith("error: ") and words in str(exit.value.code)
+
+
+def test_planner_prints_the_simplest_layout_that_fits(capsys):
+    from common.plan import main
+
+    main([str(REPO / "common" / "llama_1b_shape"), "--gpus-per-node", "8", "--batch-size", "16", "--seq-length", "2048"])
+    out = capsys.readouterr().out
+    assert "DDP (01-03)" in out and "does not fit" in out
+    assert "The simplest that fits: FSDP (04)" in out

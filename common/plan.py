@@ -1,0 +1,186 @@
+"""Will it fit, and what will it send? Memory and communication per GPU for a model and a layout.
+
+    python -m common.plan meta-llama/Llama-3.1-8B --gpus-per-node 8 --batch-size 2 --seq-length 4096
+    python -m common.plan meta-llama/Llama-3.1-70B --nodes 4 --tp-size 8 --activation-checkpointing
+
+It reads only the model's config (a Hub name or a local folder), builds the model on the meta device
+to count its parameters, and prints, for the layout given and for the chapters' other layouts, the
+bytes each GPU holds and sends per step, which layouts fit in --gpu-memory-gib, and the simplest
+that does. The formulas are those the chapter READMEs teach; this is the one place that holds them:
+
+- Training state (fp32 weights, gradients, AdamW's two moments): 4 + 4 + 8 bytes per parameter,
+  on every GPU with DDP, divided by the number of GPUs with FSDP (and FSDP x TP).
+- FSDP also holds the blocks it has gathered to compute with: about two blocks' weights in the
+  compute dtype (the one computing, the next one prefetched), 1 byte per weight with FP8 all-gathers.
+- Activations kept for backward, per token and block, as HF's Llama saves them with SDPA's flash
+  kernels (no seq x seq matrix): 2 x 2h fp32 values inside the two RMSNorms, and 4h + 2kv + 4I values
+  in the compute dtype (h hidden, kv key/value width, I the MLP's width). With TP and sequence
+  parallel, all of it is split over the tp ranks except the two gathered block inputs (2h). With
+  activation checkpointing, a block keeps only its fp32 input (h), plus one block's full set while
+  it is recomputed. Outside the blocks: the final norm and the output layer's input (3h), and the
+  logits' log-softmax, 4 bytes per vocabulary entry (split over tp with loss parallel).
+- Communication per step, bytes each GPU sends (ring collectives: (n-1)/n of the buffer): DDP
+  all-reduces the fp32 gradients (2x); FSDP all-gathers the weights twice (forward, backward) in the
+  compute dtype and reduce-scatters the fp32 gradients; TP all-gathers and reduce-scatters one
+  block-input-sized activation twice per block in forward and twice in backward. Time at best:
+  bytes over the link's bandwidth, NVLink inside a node, the network across nodes.
+
+Checked by the test suite against what chapters 04 and 05 measure on the CPU (sharded bytes per
+rank) and against the tensors HF's Llama saves for backward.
+"""
+
+import argparse
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+GIB = 2**30
+
+
+@dataclass
+class Layout:
+    name: str
+    gpus: int  # in the job
+    tp: int = 1
+    sharded: bool = True  # FSDP; False: DDP
+    checkpointing: bool = False
+
+
+def count(model_name: str) -> dict:
+    """Parameters (tied ones once), one block's, and the widths the formulas need, from the config."""
+    config = AutoConfig.from_pretrained(model_name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = set(model._no_split_modules or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "block_params": sum(p.numel() for p in blocks[0].parameters()),
+        "layers": len(blocks),
+        "hidden": config.hidden_size,
+        "kv": kv_heads * head_dim,
+        "mlp": config.intermediate_size,
+        "vocab": config.vocab_size,
+        "heads": heads,
+        "kv_heads": kv_heads,
+    }
+
+
+def activation_bytes(m: dict, tokens: int, tp: int, checkpointing: bool, compute_bytes: int) -> float:
+    """Bytes kept for backward on one GPU, for `tokens` tokens (rows x seq-length) of its replica."""
+    h, kv, mlp = m["hidden"], m["kv"], m["mlp"]
+    block = 2 * 2 * h * 4 + (4 * h + 2 * kv + 4 * mlp) * compute_bytes
+    if tp > 1:  # sequence parallel: all of it split, but the two gathered inputs of attention and the MLP
+        block = (block - 2 * h * compute_bytes) / tp + 2 * h * compute_bytes
+    if checkpointing:
+        blocks = m["layers"] * h * 4 / tp + block  # the fp32 inputs, and one block recomputed
+    else:
+        blocks = m["layers"] * block
+    outside = (2 * h * 4 + h * compute_bytes) / tp + m["vocab"] * 4 / tp
+    return tokens * (blocks + outside)
+
+
+def plan(m: dict, layout: Layout, batch_size: int, seq_length: int, compute_bytes: int, fp8: bool) -> dict:
+    """Per GPU: bytes held (state, gathered blocks, activations) and bytes sent per step."""
+    p, n, t = m["params"], layout.gpus, layout.tp
+    shards = n if layout.sharded else 1
+    dp = n // t
+    state = {"weights": 4 * p / shards, "gradients": 4 * p / shards, "optimizer": 8 * p / shards}
+    gathered = 2 * m["block_params"] / t * (1 if fp8 else compute_bytes) if layout.sharded else 0
+    activations = activation_bytes(m, batch_size * seq_length, t, layout.checkpointing, compute_bytes)
+    ring = (dp - 1) / dp if dp > 1 else 0
+    if layout.sharded:
+        data_parallel = ring * p / t * (2 * (1 if fp8 else compute_bytes) + 4)
+    else:
+        data_parallel = ring * 2 * 4 * p
+    tensor_parallel = (t - 1) / t * 8 * m["layers"] * batch_size * seq_length * m["hidden"] * compute_bytes
+    return {
+        **state,
+        "gathered": gathered,
+        "activations": activations,
+        "total": sum(state.values()) + gathered + activations,
+        "sent_dp": data_parallel,
+        "sent_tp": tensor_parallel,
+    }
+
+
+def check(m: dict, layout: Layout, gpus_per_node: int, seq_length: int) -> str | None:
+    """Why `layout` cannot run, or None."""
+    if layout.gpus % layout.tp or layout.tp > gpus_per_node:
+        return f"--tp-size {layout.tp} must divide the {layout.gpus} GPUs and fit in a node of {gpus_per_node}"
+    for name, value in [("attention heads", m["heads"]), ("key/value heads", m["kv_heads"]), ("--seq-length", seq_length)]:
+        if value % layout.tp:
+            return f"--tp-size {layout.tp} must divide the model's {name} ({value})"
+    return None
+
+
+def layouts(gpus: int, gpus_per_node: int) -> list[Layout]:
+    """The chapters' layouts, simplest first: DDP, FSDP, then FSDP x TP inside a node, each without
+    and then with activation checkpointing."""
+    options = [Layout("DDP (01-03)", gpus, sharded=False)]
+    for tp in [1, 2, 4, 8]:
+        if tp <= gpus_per_node and gpus % tp == 0:
+            chapter = "FSDP (04)" if tp == 1 else f"FSDP x TP {tp} (05)"
+            options += [Layout(chapter, gpus, tp), Layout(chapter + " + AC", gpus, tp, checkpointing=True)]
+    return options
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="Hub model name or local folder (only its config is read)")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--tp-size", type=int, default=1, help="the layout to detail (1: FSDP)")
+    parser.add_argument("--ddp", action="store_true", help="detail DDP instead of FSDP")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--batch-size", type=int, default=1, help="rows per replica per micro-step")
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
+    parser.add_argument("--fp8", action="store_true", help="chapter 06's tensorwise FP8 all-gathers")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80)
+    parser.add_argument("--nvlink-gbps", type=float, default=450, help="GB/s each GPU sends inside a node (H100)")
+    parser.add_argument("--network-gbps", type=float, default=50, help="GB/s each GPU sends across nodes (400 Gb/s)")
+    args = parser.parse_args(argv)
+
+    m = count(args.model)
+    gpus = args.nodes * args.gpus_per_node
+    compute_bytes = 2 if args.dtype == "bfloat16" else 4
+    chosen = Layout("asked", gpus, args.tp_size, not args.ddp, args.activation_checkpointing)
+    problem = check(m, chosen, args.gpus_per_node, args.seq_length)
+    if problem:
+        raise SystemExit(f"error: {problem}")
+    print(f"{args.model}: {m['params'] / 1e9:.2f}B parameters, {m['layers']} blocks; {args.nodes} x {args.gpus_per_node} GPUs")
+    print(f"{args.batch_size} rows x {args.seq_length} tokens per replica, {args.dtype} compute\n")
+
+    result = plan(m, chosen, args.batch_size, args.seq_length, compute_bytes, args.fp8)
+    print(f"Per GPU, {'DDP' if args.ddp else 'FSDP'}, tp {args.tp_size}{', AC' if args.activation_checkpointing else ''}:")
+    for key in ["weights", "gradients", "optimizer", "gathered", "activations", "total"]:
+        print(f"  {key:<12} {result[key] / GIB:8.2f} GiB")
+    dp_link = args.network_gbps if args.nodes > 1 else args.nvlink_gbps
+    print(f"  sent per step: {result['sent_dp'] / GIB:.2f} GiB over dp (at best {result['sent_dp'] / 1e9 / dp_link:.3f} s),"
+          f" {result['sent_tp'] / GIB:.2f} GiB over tp (at best {result['sent_tp'] / 1e9 / args.nvlink_gbps:.3f} s)\n")
+
+    usable = 0.9 * args.gpu_memory_gib * GIB  # CUDA's context, allocator fragmentation, temporaries
+    print(f"Layouts (fits: under 90% of {args.gpu_memory_gib:g} GiB):")
+    fitting = None
+    for layout in layouts(gpus, args.gpus_per_node):
+        if check(m, layout, args.gpus_per_node, args.seq_length):
+            continue
+        r = plan(m, layout, args.batch_size, args.seq_length, compute_bytes, args.fp8)
+        fits = r["total"] <= usable
+        fitting = fitting or (layout if fits else None)
+        print(f"  {layout.name:<22} {r['total'] / GIB:8.1f} GiB  {'fits' if fits else 'does not fit'}")
+    if fitting:
+        print(f"\nThe simplest that fits: {fitting.name}.")
+    else:
+        print("\nNone fits: fewer rows per step (--batch-size, with --grad-accum-steps for the same global batch), "
+              "a shorter --seq-length, more GPUs, or --cpu-offload (chapter 04).")
+
+
+if __name__ == "__main__":
+    main()
