@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -88,6 +89,18 @@ def read_metrics(exp_dir: Path) -> dict[int, dict]:
         record = json.loads(line)
         metrics.setdefault(record["step"], {}).update(record)
     return metrics
+
+
+def rewind(exp_dir: Path, copy_to: Path, step: int) -> None:
+    """`exp_dir` copied to `copy_to` as a job killed right after its checkpoint of `step` left it:
+    the later checkpoints gone, metrics.jsonl holding the steps up to `step`."""
+    shutil.copytree(exp_dir, copy_to)
+    for checkpoint in (copy_to / "checkpoints").glob("step-*"):
+        if int(checkpoint.name.removeprefix("step-")) > step:
+            shutil.rmtree(checkpoint)
+    metrics = copy_to / "metrics.jsonl"
+    logged = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(line for line in logged if json.loads(line)["step"] <= step))
 
 
 def losses(exp_dir: Path, key: str = "loss") -> list[float]:

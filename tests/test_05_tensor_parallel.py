@@ -1,10 +1,20 @@
-import json
 import shutil
 
 import pytest
 import torch
+from harness import (
+    FAST_ARGS,
+    REPO,
+    UNIFORM_LOSS,
+    compiled_graphs,
+    last_lines,
+    losses,
+    read_metrics,
+    rewind,
+    run_chapter,
+)
+
 from common.plan import Layout, count, plan
-from harness import FAST_ARGS, REPO, UNIFORM_LOSS, compiled_graphs, last_lines, losses, read_metrics, run_chapter
 
 CHAPTER = "05-tensor-parallel"
 STEPS = 12
@@ -58,7 +68,9 @@ def test_2d_mesh_matches_ddp_and_shards_both_ways(ddp_reference, mesh_run):
     assert metrics["memory/params_gib"] * 2**30 == pytest.approx(NUM_PARAMS * 4 / 4, rel=0.05)
     assert metrics["memory/optimizer_gib"] * 2**30 == pytest.approx(2 * NUM_PARAMS * 4 / 4, rel=0.05)
     # As the planner (python -m common.plan) predicts.
-    predicted = plan(count(str(REPO / "common" / "tiny_llama")), Layout("FSDP x TP", gpus=4, tp=2), 4, 128, 4, fp8=False)
+    predicted = plan(
+        count(str(REPO / "common" / "tiny_llama")), Layout("FSDP x TP", gpus=4, tp=2), 4, 128, 4, fp8=False
+    )
     assert metrics["memory/params_gib"] * 2**30 == pytest.approx(predicted["weights"], rel=0.05)
     assert metrics["memory/optimizer_gib"] * 2**30 == pytest.approx(predicted["optimizer"], rel=0.05)
 
@@ -66,12 +78,7 @@ def test_2d_mesh_matches_ddp_and_shards_both_ways(ddp_reference, mesh_run):
 def test_resume_on_another_layout(tmp_path, hf_home, ddp_reference, mesh_run):
     """The 2 x 2 mesh's checkpoint at step 6, resumed with FSDP alone on 2 ranks: DCP reshards it
     into the new layout, and the job trains on as the uninterrupted run."""
-    shutil.copytree(mesh_run / CHAPTER, tmp_path / CHAPTER)
-    shutil.rmtree(tmp_path / CHAPTER / "checkpoints" / f"step-{STEPS:08d}")
-    metrics = tmp_path / CHAPTER / "metrics.jsonl"
-    # What the killed job had logged: the steps up to its checkpoint.
-    logged = metrics.read_text().splitlines(keepends=True)
-    metrics.write_text("".join(line for line in logged if json.loads(line)["step"] <= 6))
+    rewind(mesh_run / CHAPTER, tmp_path / CHAPTER, step=6)
     resumed = run_chapter(CHAPTER, *ARGS, "--save-dir", str(tmp_path), nproc=2, hf_home=hf_home)
     assert "step-00000006 at step 6" in resumed.stderr
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(ddp_reference))) <= 1e-5

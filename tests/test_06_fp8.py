@@ -1,9 +1,8 @@
 import json
-import shutil
 
 import pytest
 import torch
-from harness import FAST_ARGS, compiled_graphs, last_lines, losses, read_metrics, run_chapter
+from harness import FAST_ARGS, compiled_graphs, last_lines, losses, rewind, run_chapter
 
 CHAPTER = "06-fp8"
 STEPS = 12
@@ -88,11 +87,7 @@ def test_statistics_count_what_underflows():
 def test_exact_resume(tmp_path, hf_home, fp8_run):
     """FP8's scales are computed from the weights and activations of each step: nothing to save, and
     a run resumed from step 6 retraces the uninterrupted one exactly."""
-    shutil.copytree(fp8_run, tmp_path / CHAPTER)
-    shutil.rmtree(tmp_path / CHAPTER / "checkpoints" / f"step-{STEPS:08d}")
-    metrics = tmp_path / CHAPTER / "metrics.jsonl"
-    logged = metrics.read_text().splitlines(keepends=True)
-    metrics.write_text("".join(line for line in logged if json.loads(line)["step"] <= 6))
+    rewind(fp8_run, tmp_path / CHAPTER, step=6)
     resumed = run_chapter(CHAPTER, *ARGS, "--save-dir", str(tmp_path), nproc=2, hf_home=hf_home)
     assert "step-00000006 at step 6" in resumed.stderr
     assert losses(tmp_path / CHAPTER) == losses(fp8_run)
