@@ -5,17 +5,23 @@
     python -m common.benchmark 02 --nproc gpu -- --model-name meta-llama/Llama-3.2-1B --seq-length 2048
     python -m common.benchmark 01 --steps 40 -- --model-name common/llama_1b_shape --seq-length 2048 --batch-size 8
     python -m common.benchmark 05 --nproc 2 --markdown -- --tp-size 2     # a row of BENCHMARKS.md's table
+    python -m common.benchmark --table "01 --steps 60" "05 --nproc 2 --steps 60 -- --tp-size 2"
 
 Runs the chapter's train_llm.py as users do (`python`, or `torchrun --standalone` with --nproc), into
 a temporary folder with wandb disabled, then summarizes its metrics.jsonl. The first two log
 intervals are left out: they hold torch.compile's warm-up and the allocator's first growth.
 `common/llama_1b_shape` is Llama-3.2-1B's shape with the embedded tokenizer: no download needed.
+
+--table, given first, takes several runs, each quoted as one argument, and prints the table: its
+header, then one row per run, each with the --markdown command that makes that row alone. The
+chapters' own output goes to stderr, so that stdout is the table.
 """
 
 import argparse
 import json
 import os
 import platform
+import shlex
 import signal
 import statistics
 import subprocess
@@ -30,13 +36,27 @@ from common.diff import chapter
 
 
 def main() -> None:
+    argv = sys.argv[1:]
+    if argv[:1] != ["--table"]:
+        benchmark(argv)
+        return
+    runs = [shlex.split(run) for run in argv[1:]]
+    # Checked before the first run, not found after minutes of measuring.
+    if not runs or not all(run and run[0].isdigit() for run in runs):
+        raise SystemExit("error: --table takes quoted runs, each starting with its chapter: --table '01 --steps 60'")
+    print(MARKDOWN_HEADER, flush=True)
+    for run in runs:
+        benchmark(["--markdown", *run])
+
+
+def benchmark(argv: list[str]) -> None:
+    """Runs one chapter and prints its summary, or with --markdown its row of the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("chapter", help="chapter number, e.g. 01")
     parser.add_argument("--nproc", help="processes per node for torchrun (a number, or gpu); none runs python")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--markdown", action="store_true", help="print one row of BENCHMARKS.md's table")
     # Everything after -- goes to train_llm.py unparsed.
-    argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     args, train_args = parser.parse_args(argv[:split]), argv[split + 1 :]
 
@@ -47,7 +67,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as save_dir:
         train = [str(script), "--save-dir", save_dir, "--max-steps", str(args.steps), "--log-freq", "10"]
         env = {**os.environ, "WANDB_MODE": "disabled"}
-        proc = subprocess.Popen([*launcher, *train, *train_args], env=env, start_new_session=True)
+        # On stderr: stdout holds only the summary, or the table.
+        proc = subprocess.Popen([*launcher, *train, *train_args], env=env, stdout=sys.stderr, start_new_session=True)
         # Stopped once the last step is logged: the final checkpoint (15 GB for a 1B model) is not
         # part of the measurement.
         while proc.poll() is None and args.steps not in logged_steps(save_dir):
@@ -67,7 +88,7 @@ def main() -> None:
         else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     )
     if args.markdown:
-        print(markdown_row(script, args, train_args, measured, device))
+        print(markdown_row(script, args, train_args, measured, device, argv), flush=True)
         return
     print(
         f"\n{script.parent.name}, {args.nproc or 1} process(es) on {device}, steps {measured[0]['step']}-{measured[-1]['step']}:"
@@ -90,7 +111,7 @@ MARKDOWN_HEADER = (
 )
 
 
-def markdown_row(script, args, train_args, measured, device) -> str:
+def markdown_row(script, args, train_args, measured, device, argv) -> str:
     """One row of the table in BENCHMARKS.md (its header: MARKDOWN_HEADER), with the exact command."""
 
     def flag(name, default):
@@ -106,7 +127,7 @@ def markdown_row(script, args, train_args, measured, device) -> str:
     peaks = [k for k in measured[-1] if k.startswith("memory/peak")]
     memory = f"{max(r[peaks[0]] for r in measured):.2f} GiB" if peaks else "n/a"
     phases = "/".join(f"{statistics.median(r[f'time/{p}_ms'] for r in measured):.0f}" for p in ["forward", "backward", "optimizer"])
-    command = " ".join(["python -m common.benchmark", *sys.argv[1:]])
+    command = f"python -m common.benchmark {shlex.join(argv)}"
     cells = [script.parent.name, processes, f"{processes // tp} × {tp}", dtype, f"{tokens:,.0f}",
              f"{tokens / processes:,.0f}", mfu, memory, phases, device, f"`{command}`"]  # fmt: skip
     return "| " + " | ".join(str(c) for c in cells) + " |"

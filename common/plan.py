@@ -13,20 +13,31 @@ that does. The formulas are those the chapter READMEs teach; this is the one pla
 - FSDP also holds the blocks it has gathered to compute with: about two blocks' weights in the
   compute dtype (the one computing, the next one prefetched), 1 byte per weight with FP8 all-gathers.
 - Activations kept for backward, per token and block, as HF's Llama saves them with SDPA's flash
-  kernels (no seq x seq matrix): 2 x 2h fp32 values inside the two RMSNorms, and 4h + 2kv + 4I values
-  in the compute dtype (h hidden, kv key/value width, I the MLP's width). With TP and sequence
-  parallel, all of it is split over the tp ranks except the two gathered block inputs (2h). With
-  activation checkpointing, a block keeps only its fp32 input (h), plus one block's full set while
-  it is recomputed. Outside the blocks: the final norm and the output layer's input (3h), and the
-  logits' log-softmax, 4 bytes per vocabulary entry (split over tp with loss parallel).
+  kernels (no seq x seq matrix), h the hidden width, kv the key/value width, I the MLP's width.
+  Compiled (the chapters' default on GPUs): 6h + 2kv + 3I values in the compute dtype, torch.compile
+  recomputing the norms and the MLP's activation in backward instead of keeping them. Eager
+  (--no-compile): each of the two RMSNorms also keeps its input in fp32 (2h fp32 values), and the
+  MLP its activation: 6h + 2kv + 4I values in the compute dtype. With TP and sequence parallel,
+  all of it is split over the tp ranks except the two gathered inputs of attention and the MLP
+  (2h). With activation checkpointing, a block keeps only its input (h), plus one block's full set
+  while it is recomputed. Outside the blocks: the final norm's fp32 input and its two outputs (h fp32
+  and 2h values), and the logits' log-softmax, 4 bytes per vocabulary entry (split over tp with
+  loss parallel).
+- The loss's backward, at its start (where a step's memory peaks, all activations still kept):
+  the gradients of the log-softmax and of the logits, 8 more bytes per vocabulary entry per token.
 - Communication per step, bytes each GPU sends (ring collectives: (n-1)/n of the buffer): DDP
   all-reduces the fp32 gradients (2x); FSDP all-gathers the weights twice (forward, backward) in the
   compute dtype and reduce-scatters the fp32 gradients; TP all-gathers and reduce-scatters one
   block-input-sized activation twice per block in forward and twice in backward. Time at best:
   bytes over the link's bandwidth, NVLink inside a node, the network across nodes.
 
+The gradients are counted as held at the peak, though under FSDP they are mostly allocated after
+it, as backward frees the activations: a margin of up to 4 bytes per parameter per GPU.
+
 Checked by the test suite against what chapters 04 and 05 measure on the CPU (sharded bytes per
-rank) and against the tensors HF's Llama saves for backward.
+rank), against the tensors HF's Llama saves for backward (eager and compiled, fp32 and bf16) and
+the bytes the loss's backward holds, and against torchtitan's published Llama 3.1 8B peaks on 8 and
+128 GPUs (the README's "How to choose").
 """
 
 import argparse
@@ -71,39 +82,55 @@ def count(model_name: str) -> dict:
     }
 
 
-def activation_bytes(m: dict, tokens: int, tp: int, checkpointing: bool, compute_bytes: int) -> float:
+def activation_bytes(
+    m: dict, tokens: int, tp: int, checkpointing: bool, compute_bytes: int, compiled: bool = True
+) -> float:
     """Bytes kept for backward on one GPU, for `tokens` tokens (rows x seq-length) of its replica."""
     h, kv, mlp = m["hidden"], m["kv"], m["mlp"]
-    block = 2 * 2 * h * 4 + (4 * h + 2 * kv + 4 * mlp) * compute_bytes
+    if compiled:
+        block = (6 * h + 2 * kv + 3 * mlp) * compute_bytes
+    else:
+        block = 2 * h * 4 + (6 * h + 2 * kv + 4 * mlp) * compute_bytes
     if tp > 1:  # sequence parallel: all of it split, but the two gathered inputs of attention and the MLP
         block = (block - 2 * h * compute_bytes) / tp + 2 * h * compute_bytes
     if checkpointing:
-        blocks = m["layers"] * h * 4 / tp + block  # the fp32 inputs, and one block recomputed
+        blocks = m["layers"] * h * compute_bytes / tp + block  # the blocks' inputs, and one block recomputed
     else:
         blocks = m["layers"] * block
-    outside = (2 * h * 4 + h * compute_bytes) / tp + m["vocab"] * 4 / tp
+    outside = (h * 4 + 2 * h * compute_bytes) / tp + m["vocab"] * 4 / tp  # the final norm's, as a block's
     return tokens * (blocks + outside)
 
 
-def plan(m: dict, layout: Layout, batch_size: int, seq_length: int, compute_bytes: int, fp8: bool) -> dict:
-    """Per GPU: bytes held (state, gathered blocks, activations) and bytes sent per step."""
+def loss_backward_bytes(m: dict, tokens: int, tp: int) -> float:
+    """What the loss's backward adds at its start: the fp32 gradients of the log-softmax and the logits."""
+    return tokens * m["vocab"] * 8 / tp
+
+
+def plan(
+    m: dict, layout: Layout, batch_size: int, seq_length: int, compute_bytes: int, fp8: bool, compiled: bool = True
+) -> dict:
+    """Per GPU: bytes held at the peak (state, gathered blocks, activations, the loss's backward) and
+    bytes sent per step."""
     p, n, t = m["params"], layout.gpus, layout.tp
     shards = n if layout.sharded else 1
     dp = n // t
     state = {"weights": 4 * p / shards, "gradients": 4 * p / shards, "optimizer": 8 * p / shards}
     gathered = 2 * m["block_params"] / t * (1 if fp8 else compute_bytes) if layout.sharded else 0
-    activations = activation_bytes(m, batch_size * seq_length, t, layout.checkpointing, compute_bytes)
+    tokens = batch_size * seq_length
+    activations = activation_bytes(m, tokens, t, layout.checkpointing, compute_bytes, compiled)
+    loss_backward = loss_backward_bytes(m, tokens, t)
     ring = (dp - 1) / dp if dp > 1 else 0
     if layout.sharded:
         data_parallel = ring * p / t * (2 * (1 if fp8 else compute_bytes) + 4)
     else:
         data_parallel = ring * 2 * 4 * p
-    tensor_parallel = (t - 1) / t * 8 * m["layers"] * batch_size * seq_length * m["hidden"] * compute_bytes
+    tensor_parallel = (t - 1) / t * 8 * m["layers"] * tokens * m["hidden"] * compute_bytes
     return {
         **state,
         "gathered": gathered,
         "activations": activations,
-        "total": sum(state.values()) + gathered + activations,
+        "loss backward": loss_backward,
+        "total": sum(state.values()) + gathered + activations + loss_backward,
         "sent_dp": data_parallel,
         "sent_tp": tensor_parallel,
     }
@@ -142,6 +169,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
     parser.add_argument("--fp8", action="store_true", help="chapter 06's tensorwise FP8 all-gathers")
+    parser.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=True, help="compiled blocks (the GPU default)"
+    )
     parser.add_argument("--gpu-memory-gib", type=float, default=80)
     parser.add_argument("--nvlink-gbps", type=float, default=450, help="GB/s each GPU sends inside a node (H100)")
     parser.add_argument("--network-gbps", type=float, default=50, help="GB/s each GPU sends across nodes (400 Gb/s)")
@@ -155,12 +185,13 @@ def main(argv=None) -> None:
     if problem:
         raise SystemExit(f"error: {problem}")
     print(f"{args.model}: {m['params'] / 1e9:.2f}B parameters, {m['layers']} blocks; {args.nodes} x {args.gpus_per_node} GPUs")
-    print(f"{args.batch_size} rows x {args.seq_length} tokens per replica, {args.dtype} compute\n")
+    print(f"{args.batch_size} rows x {args.seq_length} tokens per replica, {args.dtype} compute"
+          f"{'' if args.compile else ', not compiled'}\n")  # fmt: skip
 
-    result = plan(m, chosen, args.batch_size, args.seq_length, compute_bytes, args.fp8)
+    result = plan(m, chosen, args.batch_size, args.seq_length, compute_bytes, args.fp8, args.compile)
     print(f"Per GPU, {'DDP' if args.ddp else 'FSDP'}, tp {args.tp_size}{', AC' if args.activation_checkpointing else ''}:")
-    for key in ["weights", "gradients", "optimizer", "gathered", "activations", "total"]:
-        print(f"  {key:<12} {result[key] / GIB:8.2f} GiB")
+    for key in ["weights", "gradients", "optimizer", "gathered", "activations", "loss backward", "total"]:
+        print(f"  {key:<13} {result[key] / GIB:8.2f} GiB")
     dp_link = args.network_gbps if args.nodes > 1 else args.nvlink_gbps
     print(f"  sent per step: {result['sent_dp'] / GIB:.2f} GiB over dp (at best {result['sent_dp'] / 1e9 / dp_link:.3f} s),"
           f" {result['sent_tp'] / GIB:.2f} GiB over tp (at best {result['sent_tp'] / 1e9 / args.nvlink_gbps:.3f} s)\n")
@@ -171,7 +202,7 @@ def main(argv=None) -> None:
     for layout in layouts(gpus, args.gpus_per_node):
         if check(m, layout, args.gpus_per_node, args.seq_length):
             continue
-        r = plan(m, layout, args.batch_size, args.seq_length, compute_bytes, args.fp8)
+        r = plan(m, layout, args.batch_size, args.seq_length, compute_bytes, args.fp8, args.compile)
         fits = r["total"] <= usable
         fitting = fitting or (layout if fits else None)
         print(f"  {layout.name:<22} {r['total'] / GIB:8.1f} GiB  {'fits' if fits else 'does not fit'}")
