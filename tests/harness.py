@@ -122,8 +122,8 @@ def last_lines(text: str, count: int = 5) -> str:
     return "\n".join([line for line in text.splitlines() if line.strip()][-count:])
 
 
-def wandb_run_record(run_dir: Path):
-    """The RunRecord (id, group, name, ...) of an offline wandb run folder.
+def wandb_records(run_dir: Path):
+    """The `wandb_internal_pb2.Record`s of an offline wandb run folder, in the order they were written.
 
     A `.wandb` file is a 7-byte header, then LevelDB-style log blocks of 32 KiB whose records
     (4-byte checksum, 2-byte length, 1-byte type) carry serialized `wandb_internal_pb2.Record`s.
@@ -144,9 +144,27 @@ def wandb_run_record(run_dir: Path):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(chunks)
             chunks = b""
-            if record.WhichOneof("record_type") == "run":
-                return record.run
+            yield record
+
+
+def wandb_run_record(run_dir: Path):
+    """The RunRecord (id, group, name, ...) of an offline wandb run folder."""
+    for record in wandb_records(run_dir):
+        if record.WhichOneof("record_type") == "run":
+            return record.run
     raise AssertionError(f"no run record in {run_dir}")
+
+
+def wandb_history(run_dir: Path) -> dict[int, dict]:
+    """What `wandb.log` logged in an offline wandb run folder, by step, as `read_metrics` reads
+    metrics.jsonl: {step: {key: value}}, the records of a step merged (W&B's own `_step`,
+    `_runtime` and `_timestamp` left out)."""
+    history = {}
+    for record in wandb_records(run_dir):
+        if record.WhichOneof("record_type") == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history.setdefault(items["_step"], {}).update({k: v for k, v in items.items() if not k.startswith("_")})
+    return history
 
 
 def compiled_graphs(chapter: str, tmp_path: Path, hf_home: Path, *args: str, nproc: int | None = None) -> list[int]:

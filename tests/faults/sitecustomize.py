@@ -10,6 +10,10 @@ FAULT_NAN_AT_STEP=N             after the N-th optimizer step of rank FAULT_RANK
 FAULT_SIGNAL_AT_STEP=N          in the N-th optimizer step of rank FAULT_RANK, send FAULT_SIGNAL (default
                                 TERM) to this process, or with FAULT_SIGNAL_PARENT=1 to its parent
                                 (torchrun): as a scheduler would, at a step boundary that tests can name.
+FAULT_FP8_SCALE=F               every cast to FP8 (torchao float8) multiplies by F x the scale it was
+                                given, and the FP8 tensor keeps the given scale to divide by: each FP8
+                                operand of every matmul comes back F times too large (with F > 1, values
+                                above amax / F clamp at FP8's largest value, which comes back as the amax).
 
 A fault strikes once: when torchrun restarts the workers (TORCHELASTIC_RESTART_COUNT > 0), none is armed.
 
@@ -110,6 +114,25 @@ if _step_fault and _first_attempt and _this_rank:
         return result
 
     torch.optim.AdamW.step = _step_or_fail
+
+if "FAULT_FP8_SCALE" in os.environ and _first_attempt:
+    # torchao's one constructor of FP8 tensors: every input, weight and output gradient, tensorwise or
+    # rowwise, FSDP's FP8 all-gather included, is cast there.
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.float8_training_tensor import _ToFloat8ConstrFunc
+
+    _fp8_scale_factor = float(os.environ["FAULT_FP8_SCALE"])
+    _to_float8 = _ToFloat8ConstrFunc.forward
+
+    def _to_float8_with_wrong_scale(ctx, tensor, scale, *args, **kwargs):
+        float8_tensor = _to_float8(ctx, tensor, scale * _fp8_scale_factor, *args, **kwargs)
+        if isinstance(float8_tensor, DTensor):
+            float8_tensor._local_tensor._scale = scale.to_local()
+        else:
+            float8_tensor._scale = scale
+        return float8_tensor
+
+    _ToFloat8ConstrFunc.forward = staticmethod(_to_float8_with_wrong_scale)
 
 if "PROBE_COMPILE_COUNTS" in os.environ and os.environ.get("RANK", "0") == "0":
     import json
