@@ -88,7 +88,7 @@ from common import (
     wandb_mode,
     warmup_cosine,
 )
-from common.fp8 import Float8Stats
+from common.fp8 import Float8Stats, convert_to_te, fp8_able, transformer_engine
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +209,7 @@ def main():
     # output layer stays in high precision: the logits are where FP8's rounding would cost most.
     # With one scale per tensor, FSDP all-gathers torchao's weights in FP8: half the bytes of bf16.
     fp8_all_gather = args.fp8_backend == "torchao" and args.fp8_recipe == "tensorwise"
+    # FP8 matmuls need both dimensions to be multiples of 16 (fp8_able): a layer that is not stays as it is.
     if args.fp8_backend == "te":
         convert_to_te(blocks, te)
     else:
@@ -517,65 +518,6 @@ def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
     if model.config.tie_word_embeddings:
         # Both were split over the vocabulary (dim 0) alike, but into two new parameters: tie them again.
         model.lm_head.weight = model.model.embed_tokens.weight
-
-
-def transformer_engine(args):
-    """NVIDIA's Transformer Engine, in the layout its own tests cover with FSDP2: FSDP alone, with the
-    same recipe as torchao's tensorwise (Float8CurrentScaling: one scale per tensor, from its amax now).
-
-    Not its delayed scaling (scales from the amaxes of past steps): that history is state, which TE
-    checkpoints as a pickle that it no longer loads by default and DCP cannot reshard.
-    """
-    unsupported = [
-        flag
-        for flag, given in [
-            ("--tp-size", args.tp_size > 1),  # TE splits layers with its own tensor parallel, not DTensor's
-            ("--activation-checkpointing", args.activation_checkpointing),  # HF recomputes outside te.autocast
-            ("--fp8-recipe rowwise", args.fp8_recipe == "rowwise"),
-            ("--fp8-emulate", args.fp8_emulate),
-            ("--fp8-stats-every", args.fp8_stats_every > 0),  # they read torchao's layers
-        ]
-        if given
-    ]
-    if unsupported:
-        raise SystemExit(
-            f"error: --fp8-backend te runs on FSDP alone with tensorwise scales, not with {', '.join(unsupported)}: "
-            "use --fp8-backend torchao for those"
-        )
-    try:
-        import transformer_engine.pytorch as te
-        from transformer_engine.common.recipe import Float8CurrentScaling
-    except (ImportError, OSError, RuntimeError) as err:
-        raise SystemExit(
-            f"error: --fp8-backend te: Transformer Engine does not load ({err}); "
-            "install it on a machine with CUDA: pip install -e '.[te]'"
-        ) from None
-    available, reason = te.is_fp8_available(return_reason=True)
-    if not available:
-        raise SystemExit(f"error: --fp8-backend te: no FP8 here ({reason})")
-    return te, Float8CurrentScaling()
-
-
-def fp8_able(linear, fqn=None) -> bool:
-    """FP8 matmuls need both dimensions to be multiples of 16: a layer that is not stays as it is."""
-    return linear.in_features % 16 == 0 == linear.out_features % 16
-
-
-def convert_to_te(blocks, te):
-    """Transformer Engine's Linear in place of each FP8-able nn.Linear of the blocks, on the meta device
-    (rank 0's weights are sent in later, as for the rest of the model)."""
-    for block in blocks:
-        for name, linear in list(block.named_modules()):
-            if isinstance(linear, torch.nn.Linear) and fp8_able(linear):
-                te_linear = te.Linear(
-                    linear.in_features,
-                    linear.out_features,
-                    bias=linear.bias is not None,
-                    params_dtype=torch.float32,
-                    device="meta",
-                )
-                parent, _, child = name.rpartition(".")
-                setattr(block.get_submodule(parent), child, te_linear)
 
 
 def _has(module, name) -> bool:

@@ -4,6 +4,8 @@ import os
 import pytest
 from harness import FAST_ARGS, REPO, losses, rewind, run_chapter
 
+from common.fp8 import transformer_engine
+
 CHAPTER = "06-fp8"
 STEPS = 12
 ARGS = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", "6", "--fp8-backend", "te"]
@@ -54,7 +56,7 @@ def test_transformer_engine_refuses_what_it_was_not_tested_with():
     chapter = chapter_module()
     flags = ["--tp-size", "2", "--fp8-recipe", "rowwise", "--activation-checkpointing", "--fp8-stats-every", "4"]
     with pytest.raises(SystemExit) as exit:
-        chapter.transformer_engine(chapter.get_parser().parse_args(["--fp8-backend", "te", *flags]))
+        transformer_engine(chapter.get_parser().parse_args(["--fp8-backend", "te", *flags]))
     assert str(exit.value.code) == (
         "error: --fp8-backend te runs on FSDP alone with tensorwise scales, not with --tp-size, "
         "--activation-checkpointing, --fp8-recipe rowwise, --fp8-stats-every: use --fp8-backend torchao for those"
@@ -65,6 +67,6 @@ def test_transformer_engine_refuses_what_it_was_not_tested_with():
 def test_without_transformer_engine_it_says_how_to_install_it():
     chapter = chapter_module()
     with pytest.raises(SystemExit) as exit:
-        chapter.transformer_engine(chapter.get_parser().parse_args(["--fp8-backend", "te"]))
+        transformer_engine(chapter.get_parser().parse_args(["--fp8-backend", "te"]))
     assert str(exit.value.code).startswith("error: --fp8-backend te: Transformer Engine does not load (No module named")
     assert str(exit.value.code).endswith("install it on a machine with CUDA: pip install -e '.[te]'")
