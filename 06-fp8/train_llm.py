@@ -2,12 +2,15 @@
 
     torchrun --standalone --nproc-per-node gpu 06-fp8/train_llm.py --tp-size 2
     torchrun --standalone --nproc-per-node 2 06-fp8/train_llm.py --fp8-emulate     # CPU: emulated
+    torchrun --standalone --nproc-per-node gpu 06-fp8/train_llm.py --fp8-backend te  # NVIDIA's Transformer Engine
 
 With no arguments it trains a tiny Llama on a small task dataset, both shipped in common/.
 Rerunning the same command resumes from the last checkpoint in --save-dir/--experiment-name.
 """
 
+import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -85,7 +88,7 @@ from common import (
     wandb_mode,
     warmup_cosine,
 )
-from common.fp8 import Float8Stats
+from common.fp8 import Float8Stats, convert_to_te, fp8_able, transformer_engine
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +126,14 @@ def main():
     # fp32 weights and optimizer state; matmuls in bf16 on GPU (FSDP's mixed precision), fp32 on CPU.
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
+    # torchao's FP8 layers need no context; Transformer Engine's compute in FP8 inside te.autocast only.
+    fp8_autocast = contextlib.nullcontext
+    if args.fp8_backend == "te":
+        te, recipe = transformer_engine(args)
+        fp8_autocast = functools.partial(te.autocast, recipe=recipe)
     # FP8 matmuls need compute capability 8.9 (Ada, Hopper) or newer. Elsewhere torchao emulates them:
     # the same FP8 rounding, multiplied in high precision, for learning and testing; no speed-up.
-    if not args.fp8_emulate and not (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)):
+    elif not args.fp8_emulate and not (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)):
         raise SystemExit(
             f"error: this {device.type} has no FP8 matmuls (an H100, L40S, RTX 4090 or newer has): "
             "pass --fp8-emulate to emulate them, with no speed-up"
@@ -199,17 +207,19 @@ def main():
     blocks = transformer_blocks(model)
     # The blocks' linear layers compute in FP8, scaled per tensor or per row (--fp8-recipe). The
     # output layer stays in high precision: the logits are where FP8's rounding would cost most.
-    fp8_config = dataclasses.replace(
-        Float8LinearConfig.from_recipe_name(args.fp8_recipe),
-        emulate=args.fp8_emulate,
-        # With one scale per tensor, FSDP all-gathers the weights in FP8: half the bytes of bf16.
-        enable_fsdp_float8_all_gather=args.fp8_recipe == "tensorwise",
-    )
-    for block in blocks:
-        # FP8 matmuls need both dimensions to be multiples of 16: a layer that is not stays as it is.
-        convert_to_float8_training(
-            block, config=fp8_config, module_filter_fn=lambda m, _: m.in_features % 16 == 0 == m.out_features % 16
+    # With one scale per tensor, FSDP all-gathers torchao's weights in FP8: half the bytes of bf16.
+    fp8_all_gather = args.fp8_backend == "torchao" and args.fp8_recipe == "tensorwise"
+    # FP8 matmuls need both dimensions to be multiples of 16 (fp8_able): a layer that is not stays as it is.
+    if args.fp8_backend == "te":
+        convert_to_te(blocks, te)
+    else:
+        fp8_config = dataclasses.replace(
+            Float8LinearConfig.from_recipe_name(args.fp8_recipe),
+            emulate=args.fp8_emulate,
+            enable_fsdp_float8_all_gather=fp8_all_gather,
         )
+        for block in blocks:
+            convert_to_float8_training(block, config=fp8_config, module_filter_fn=fp8_able)
     if args.activation_checkpointing:
         # Each block keeps only its input; its activations are recomputed during backward.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -218,16 +228,15 @@ def main():
     # TP first, then FSDP shards the TP shards over dp: each weight is split in two dimensions.
     if args.tp_size > 1:
         # (gloo cannot send FP8 bytes: on the CPU, inputs are all-gathered first, then cast, to the same numbers.)
-        fp8_all_gather = args.fp8_recipe == "tensorwise" and device.type == "cuda"
-        apply_tp(model, blocks, mesh["tp"], fp8_all_gather)
+        apply_tp(model, blocks, mesh["tp"], fp8_all_gather and device.type == "cuda")
     apply_fsdp(model, blocks, mesh["dp"], mp_policy, offload_policy)
     model.to_empty(device="cpu" if args.cpu_offload else device)
     # Rank 0's full weights, sent tensor by tensor into every rank's shards.
-    set_model_state_dict(
-        model,
-        full_model.state_dict() if rank == 0 else {},
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-    )
+    full_state = full_model.state_dict() if rank == 0 else {}
+    if rank == 0 and args.fp8_backend == "te":
+        # TE's layers have an extra state (FP8 metadata; none yet) that HF's layers have not.
+        full_state |= {k: v for k, v in model.state_dict().items() if k.endswith("._extra_state")}
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     # Buffers outside the state dict (Llama's rotary frequencies) are not sent: send them too, to
     # the device, where the model computes (with --cpu-offload, to_empty left them on the CPU).
     for name, buffer in model.named_buffers():
@@ -349,7 +358,7 @@ def main():
                     # loss_parallel: the logits stay split over the vocabulary, each tp rank holding its
                     # part, and the cross-entropy combines the parts (forward and backward) without ever
                     # gathering them: full-vocabulary logits are the largest activation of a small model.
-                    with timers("forward"), loss_parallel():
+                    with timers("forward"), loss_parallel(), fp8_autocast():
                         # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
                         logits = model(input_ids=batch["input_ids"], use_cache=False).logits
                         # Each micro-batch's mean loss is divided by their number: the gradients they add up
@@ -363,7 +372,7 @@ def main():
                 with timers("optimizer"):
                     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     optimizer.step()
-                    if fp8_config.enable_fsdp_float8_all_gather:
+                    if fp8_all_gather:
                         # The next step's FP8 weight scales, all at once (one all-reduce for their amaxes).
                         precompute_float8_dynamic_scale_for_fsdp(model)
                     lr_scheduler.step()
@@ -412,7 +421,7 @@ def main():
                     and not stopping
                     and (state["global_step"] % args.eval_every == 0 or state["global_step"] == total_steps)
                 ):
-                    val_loss = evaluate(model, val_data, args, device, mesh["dp"])
+                    val_loss = evaluate(model, val_data, args, device, mesh["dp"], fp8_autocast)
                     val_metrics = {"step": state["global_step"], "val_loss": val_loss}
                     log_metrics(val_metrics, exp_dir / "metrics.jsonl" if rank == 0 else None)
                     postfix.update(val_loss=f"{val_loss:.3f}")
@@ -538,7 +547,8 @@ def export_hf(model, config, tokenizer, folder, dtype, rank):
     if rank == 0:
         with torch.device("meta"):
             export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        export_model.load_state_dict({name: value.to(dtype) for name, value in full_state.items()}, assign=True)
+        weights = {name: value.to(dtype) for name, value in full_state.items() if not name.endswith("_extra_state")}
+        export_model.load_state_dict(weights, assign=True)
         export_model.tie_weights()  # converted one by one, tied weights became two tensors again
         export_model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
@@ -546,7 +556,7 @@ def export_hf(model, config, tokenizer, folder, dtype, rank):
     dist.barrier()
 
 
-def evaluate(model, val_data, args, device, dp_mesh) -> float:
+def evaluate(model, val_data, args, device, dp_mesh, fp8_autocast) -> float:
     """The mean loss over the first --eval-batches global batches of the validation rows, without
     gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
     global_batch = dp_mesh.size() * args.batch_size
@@ -558,7 +568,8 @@ def evaluate(model, val_data, args, device, dp_mesh) -> float:
     model.eval()
     with torch.no_grad(), loss_parallel():
         for batch in DataLoader(rows, sampler=sampler, batch_size=args.batch_size):
-            logits = model(input_ids=batch["input_ids"].to(device), use_cache=False).logits
+            with fp8_autocast():
+                logits = model(input_ids=batch["input_ids"].to(device), use_cache=False).logits
             total += next_token_loss(logits, batch["labels"].to(device))
     model.train()
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_mesh.get_group())
@@ -615,6 +626,12 @@ def get_parser():
     )
     parser.add_argument(
         "--tp-size", type=positive_int, default=1, help="ranks that split each layer (the GPUs of a node, or fewer)"
+    )
+    parser.add_argument(
+        "--fp8-backend",
+        choices=["torchao", "te"],
+        default="torchao",
+        help="torchao's float8 layers, or NVIDIA's Transformer Engine (CUDA, FSDP alone)",
     )
     parser.add_argument(
         "--fp8-recipe",

@@ -1,8 +1,9 @@
-"""FP8 precision statistics for chapter 06: how much of each tensor FP8 loses, measured torch-natively.
+"""Chapter 06's FP8 helpers: precision statistics, and Transformer Engine as the other backend.
 
-In the spirit of Transformer Engine's precision debug tools: on the steps it is asked to, for every
-layer that computes in FP8 (torchao's `Float8Linear`), for its input, its weight and the gradient of
-its output, the amax and the fractions of values that
+**Precision statistics**: how much of each tensor FP8 loses, measured torch-natively. In the spirit
+of Transformer Engine's precision debug tools: on the steps it is asked to, for every layer that
+computes in FP8 (torchao's `Float8Linear`), for its input, its weight and the gradient of its
+output, the amax and the fractions of values that
 - **underflow**: non-zero, but zero once scaled and cast (too small for FP8's range at this scale);
 - **saturate**: beyond FP8's largest value once scaled, clamped to it.
 The scales are those the layer's recipe computes (tensorwise: one per tensor; rowwise: one per row,
@@ -10,6 +11,9 @@ rounded to a power of 2), with the recipe's dtypes (e4m3 for inputs and weights;
 gradients in the tensorwise recipe). Each rank measures the pieces it holds, and the counts are
 reduced over a process group. Dynamic scaling maps each amax onto FP8's largest value, so with
 torchao's recipes nothing saturates by construction: the number to watch is underflow.
+
+**Transformer Engine** (`--fp8-backend te`): its `te.Linear` in place of the blocks' linear layers,
+checked for the layout it supports and for its presence first.
 """
 
 import torch
@@ -108,3 +112,62 @@ class Float8Stats:
             old = self.values[key]
             row = torch.cat([torch.maximum(old[:1], row[:1]), old[1:] + row[1:]])
         self.values[key] = row
+
+
+def transformer_engine(args):
+    """NVIDIA's Transformer Engine and its recipe, in the layout its own tests cover with FSDP2: FSDP
+    alone, with torchao's tensorwise recipe (Float8CurrentScaling: one scale per tensor, from its amax now).
+
+    Not its delayed scaling (scales from the amaxes of past steps): that history is state, which TE
+    checkpoints as a pickle that it no longer loads by default and DCP cannot reshard.
+    """
+    unsupported = [
+        flag
+        for flag, given in [
+            ("--tp-size", args.tp_size > 1),  # TE splits layers with its own tensor parallel, not DTensor's
+            ("--activation-checkpointing", args.activation_checkpointing),  # HF recomputes outside te.autocast
+            ("--fp8-recipe rowwise", args.fp8_recipe == "rowwise"),
+            ("--fp8-emulate", args.fp8_emulate),
+            ("--fp8-stats-every", args.fp8_stats_every > 0),  # they read torchao's layers
+        ]
+        if given
+    ]
+    if unsupported:
+        raise SystemExit(
+            f"error: --fp8-backend te runs on FSDP alone with tensorwise scales, not with {', '.join(unsupported)}: "
+            "use --fp8-backend torchao for those"
+        )
+    try:
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import Float8CurrentScaling
+    except (ImportError, OSError, RuntimeError) as err:
+        raise SystemExit(
+            f"error: --fp8-backend te: Transformer Engine does not load ({err}); "
+            "install it on a machine with CUDA: pip install -e '.[te]'"
+        ) from None
+    available, reason = te.is_fp8_available(return_reason=True)
+    if not available:
+        raise SystemExit(f"error: --fp8-backend te: no FP8 here ({reason})")
+    return te, Float8CurrentScaling()
+
+
+def fp8_able(linear, fqn=None) -> bool:
+    """Whether FP8 can multiply by this layer's weight: both its dimensions must be multiples of 16."""
+    return linear.in_features % 16 == 0 == linear.out_features % 16
+
+
+def convert_to_te(blocks, te):
+    """Transformer Engine's Linear in place of each FP8-able nn.Linear of the blocks, on the meta device
+    (rank 0's weights are sent in later, as for the rest of the model)."""
+    for block in blocks:
+        for name, linear in list(block.named_modules()):
+            if isinstance(linear, torch.nn.Linear) and fp8_able(linear):
+                te_linear = te.Linear(
+                    linear.in_features,
+                    linear.out_features,
+                    bias=linear.bias is not None,
+                    params_dtype=torch.float32,
+                    device="meta",
+                )
+                parent, _, child = name.rpartition(".")
+                setattr(block.get_submodule(parent), child, te_linear)

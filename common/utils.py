@@ -222,11 +222,13 @@ def shard_memory(model, optimizer) -> dict:
 def flops_per_token(model, config, seq_length: int) -> float:
     """Training FLOPs per token: 6 per matmul weight (2 forward, 4 backward) plus attention (PaLM paper, app. B).
 
-    The weights are those of the model's linear layers: the input embedding is a lookup and costs
-    nothing, while a tied output head shares the embedding's weight and still costs a full matmul.
-    A sharded weight (DTensor) counts its full size.
+    The weights are those of the model's linear layers, counted by their full shape (also when
+    sharded), whatever their class: torch's, torchao's FP8 ones, and Transformer Engine's, which are no
+    nn.Linear. The input embedding is a lookup and costs nothing, while a tied output head shares the
+    embedding's weight and still costs a full matmul.
     """
-    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    linears = [m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
+    matmul_weights = sum(m.in_features * m.out_features for m in linears)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
     return 6 * matmul_weights + attention

@@ -9,6 +9,7 @@ with pytest-xdist running the independent groups of runs side by side:
 Each distributed chapter runs on every GPU present (`--nproc-per-node` = the GPU count).
 """
 
+import importlib.util
 import json
 import math
 
@@ -25,6 +26,7 @@ GPU_ARGS = ["--max-steps", str(STEPS), "--log-freq", "1", "--ckpt-freq", str(STE
 # Chapter 05 with its default --tp-size 1 (one GPU is enough); chapter 06 with real FP8 matmuls.
 CHAPTERS = ["01-single-gpu", "02-multi-gpu", "03-multi-node", "04-fsdp", "05-tensor-parallel", "06-fp8"]
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
 
 
 def gpu_run(chapter, save_dir, hf_home, *args, faults=None, check=True):
@@ -121,5 +123,25 @@ def test_fsdp_memory_options_on_gpu(flag, tmp_path, hf_home):
         f"peak {metrics[STEPS]['memory/peak_allocated_gib']:.3f} GiB"
     )
     assert metrics[STEPS]["loss"] < 0.5 * UNIFORM_LOSS
+    counts = compile_counts(probe)
+    assert counts[0] > 0 and counts[-1] == counts[WARMUP_STEPS - 1], f"frames per step {counts}"
+
+
+@pytest.mark.skipif(not (FP8_GPU and TRANSFORMER_ENGINE), reason="needs FP8 matmuls and Transformer Engine (.[te])")
+@pytest.mark.xdist_group("06-fp8-te")
+def test_transformer_engine_backend_trains_and_resumes_on_gpu(tmp_path, hf_home):
+    """Chapter 06 with --fp8-backend te: compiled blocks around TE's layers (which dynamo does not
+    trace), FSDP, TE's extra state in the DCP checkpoint; killed after its first checkpoint, resumed."""
+    args, kill = ["--fp8-backend", "te"], {"FAULT_KILL_AFTER_CHECKPOINT": 1}
+    killed, exp_dir, _ = gpu_run("06-fp8", tmp_path, hf_home, *args, faults=kill, check=False)
+    assert killed.returncode != 0 and max(read_metrics(exp_dir)) == STEPS // 2
+    (tmp_path / "compile_counts.jsonl").unlink()  # the resumed run's compiles, from its first step
+    resumed, _, probe = gpu_run("06-fp8", tmp_path, hf_home, *args)
+    assert f"at step {STEPS // 2}" in resumed.stderr
+    metrics = read_metrics(exp_dir)
+    print(f"\n06-fp8 te: loss {metrics[1]['loss']:.3f} -> {metrics[STEPS]['loss']:.3f}, "
+          f"{metrics[STEPS]['tokens_per_s']:,.0f} tokens/s")  # fmt: skip
+    assert abs(metrics[1]["loss"] - UNIFORM_LOSS) < 0.3
+    assert metrics[STEPS]["loss"] < 0.5 * UNIFORM_LOSS and all(math.isfinite(loss) for loss in losses(exp_dir))
     counts = compile_counts(probe)
     assert counts[0] > 0 and counts[-1] == counts[WARMUP_STEPS - 1], f"frames per step {counts}"
