@@ -317,6 +317,8 @@ def main():
                         # Each micro-batch's mean loss is divided by their number: the gradients they add up
                         # to are those of the mean loss over all rows of the step, as one big batch would give.
                         loss = next_token_loss(logits, batch["labels"]) / args.grad_accum_steps
+                        # Backward needs the loss's fp32 log-probabilities, not the logits: freed now, not after it.
+                        del logits
 
                     with timers("backward"), loss_parallel():
                         loss.backward()
