@@ -310,6 +310,9 @@ def main():
         logger.info(f"Stopped by {stopping} at step {state['global_step']}: rerun the same command to resume")
     else:
         logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
+    # DDP's reducer holds the process group: freed after destroy_process_group, it would free the
+    # group itself, holding the GIL that gloo's threads may still need, and hang at exit (pytorch#75097).
+    del model
     dist.destroy_process_group()
 
 

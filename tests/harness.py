@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = Path(__file__).parent / "faults"
 VOCAB_SIZE = 512  # of the embedded tiny model
@@ -69,16 +71,51 @@ def run_chapter(
         cmd = [sys.executable, script, *args]
     else:
         cmd = [*torchrun("--standalone", f"--nproc-per-node={nproc}", *torchrun_args), script, *args]
+    popen = subprocess.Popen(
+        cmd, env=chapter_env(hf_home, env, faults), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
-        proc = subprocess.run(
-            cmd, env=chapter_env(hf_home, env, faults), cwd=REPO, capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired as hung:  # what it printed says where it hung
-        stderr = hung.stderr.decode(errors="replace") if isinstance(hung.stderr, bytes) else hung.stderr or ""
-        raise AssertionError(f"{' '.join(cmd)} still ran after {timeout} s:\n{stderr[-8000:]}") from None
+        stdout, stderr = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # What it printed, and where each of its processes waits (DIAGNOSING.md's py-spy dump), say why.
+        stacks = python_stacks(popen.pid)
+        kill_all(popen.pid)
+        stdout, stderr = popen.communicate()
+        raise AssertionError(f"{' '.join(cmd)} still ran after {timeout} s:\n{stderr[-8000:]}\n{stacks}") from None
+    finally:
+        kill_all(popen.pid)  # should the test be interrupted
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-5000:]}")
     return proc
+
+
+def kill_all(pid: int) -> None:
+    """Kills a process and its descendants: torchrun's workers run in sessions of their own, and would
+    go on without it."""
+    try:
+        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def python_stacks(pid: int) -> str:
+    """`py-spy dump` of a process and of all its descendants (torchrun's workers), where py-spy is installed."""
+    if shutil.which("py-spy") is None:
+        return "(no py-spy here to show where the processes wait: pip install -e '.[test]')"
+    processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    dumps = []
+    for process in processes:
+        dump = subprocess.run(["py-spy", "dump", "--pid", str(process.pid)], capture_output=True, text=True, timeout=60)
+        dumps.append(
+            f"--- py-spy dump of {process.pid} ({' '.join(process.cmdline())[:200]}):\n{dump.stdout}{dump.stderr}"
+        )
+    return "\n".join(dumps)
 
 
 def read_metrics(exp_dir: Path) -> dict[int, dict]:
