@@ -7,6 +7,7 @@ Rerunning the same command resumes from the last checkpoint in --save-dir/--expe
 """
 
 import functools
+import gc
 import json
 import logging
 import math
@@ -51,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 
 def main():
+    # What the imports made (~400k objects of torch, transformers, datasets) lives as long as the
+    # process: the garbage collector need never scan it again. Each full scan would take ~0.3 s, in
+    # the middle of a step, and one more at exit: a third of a short run's CPU time.
+    gc.freeze()
     args = get_parser().parse_args()
     setup_logging()
     logger.info(args)

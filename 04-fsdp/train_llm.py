@@ -6,6 +6,7 @@ With no arguments it trains a tiny Llama on a small task dataset, both shipped i
 Rerunning the same command resumes from the last checkpoint in --save-dir/--experiment-name.
 """
 
+import gc
 import json
 import logging
 import math
@@ -71,6 +72,10 @@ logger = logging.getLogger(__name__)
 
 @record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
 def main():
+    # What the imports made (~400k objects of torch, transformers, datasets) lives as long as the
+    # process: the garbage collector need never scan it again. Each full scan would take ~0.3 s, in
+    # the middle of a step, and one more at exit: a third of a short run's CPU time.
+    gc.freeze()
     args = get_parser().parse_args()
     if "RANK" not in os.environ:
         # Started with plain python: no launcher has said which rank this is.
