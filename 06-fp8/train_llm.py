@@ -96,9 +96,9 @@ logger = logging.getLogger(__name__)
 
 @record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
 def main():
-    # What the imports made (~400k objects of torch, transformers, datasets) lives as long as the
-    # process: the garbage collector need never scan it again. Each full scan would take ~0.3 s, in
-    # the middle of a step, and one more at exit: a third of a short run's CPU time.
+    # What the imports made (~370k objects of torch, transformers, datasets) lives as long as the
+    # process: the garbage collector need never scan it again. Its full scans take ~0.3 s each, in the
+    # middle of steps, and one more at exit: a sixth of the CPU time of a short run.
     gc.freeze()
     args = get_parser().parse_args()
     if "RANK" not in os.environ:
