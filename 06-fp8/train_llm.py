@@ -131,18 +131,19 @@ def main():
     # fp32 weights and optimizer state; matmuls in bf16 on GPU (FSDP's mixed precision), fp32 on CPU.
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
+    # FP8 matmuls need compute capability 8.9 (Ada, Hopper) or newer. Elsewhere torchao emulates them:
+    # the same FP8 rounding, multiplied in high precision, for learning and testing; no speed-up.
+    fp8_hardware = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    if args.fp8_backend == "torchao" and not args.fp8_emulate and not fp8_hardware:
+        raise SystemExit(
+            f"error: this {device.type} has no FP8 matmuls (an H100, L40S, RTX 4090 or newer has): "
+            "pass --fp8-emulate to emulate them, with no speed-up"
+        )
     # torchao's FP8 layers need no context; Transformer Engine's compute in FP8 inside te.autocast only.
     fp8_autocast = contextlib.nullcontext
     if args.fp8_backend == "te":
         te, recipe = transformer_engine(args)
         fp8_autocast = functools.partial(te.autocast, recipe=recipe)
-    # FP8 matmuls need compute capability 8.9 (Ada, Hopper) or newer. Elsewhere torchao emulates them:
-    # the same FP8 rounding, multiplied in high precision, for learning and testing; no speed-up.
-    elif not args.fp8_emulate and not (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)):
-        raise SystemExit(
-            f"error: this {device.type} has no FP8 matmuls (an H100, L40S, RTX 4090 or newer has): "
-            "pass --fp8-emulate to emulate them, with no speed-up"
-        )
     if args.cpu_offload and device.type != "cuda":
         raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
     # Two dimensions. tp, the inner one, groups --tp-size consecutive ranks: the GPUs of one node,
@@ -240,7 +241,7 @@ def main():
     full_state = full_model.state_dict() if rank == 0 else {}
     if rank == 0 and args.fp8_backend == "te":
         # TE's layers have an extra state (FP8 metadata; none yet) that HF's layers have not.
-        full_state |= {k: v for k, v in model.state_dict().items() if k.endswith("._extra_state")}
+        full_state |= {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     # Buffers outside the state dict (Llama's rotary frequencies) are not sent: send them too, to
     # the device, where the model computes (with --cpu-offload, to_empty left them on the CPU).
@@ -554,7 +555,7 @@ def export_hf(model, config, tokenizer, folder, dtype, rank):
     if rank == 0:
         with torch.device("meta"):
             export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        weights = {name: value.to(dtype) for name, value in full_state.items() if not name.endswith("_extra_state")}
+        weights = {name: value.to(dtype) for name, value in weights_only(full_state).items()}
         export_model.load_state_dict(weights, assign=True)
         export_model.tie_weights()  # converted one by one, tied weights became two tensors again
         export_model.save_pretrained(folder)
@@ -597,7 +598,7 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, rank
         # Every rank writes its own shards, in parallel, and DCP records where each shard sits in the
         # full tensor: a job with another number of ranks can load them, resharded.
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp_dir)
+        dcp.save({"model": weights_only(model_state), "optimizer": optimizer_state}, checkpoint_id=tmp_dir)
         if rank == 0:
             torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
             # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
@@ -613,12 +614,19 @@ def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
     with loading(checkpoint):
         # DCP loads in place into this run's shards, whatever the number of ranks that saved them.
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        shards = {"model": model_state, "optimizer": optimizer_state}
+        shards = {"model": weights_only(model_state), "optimizer": optimizer_state}
         dcp.load(shards, checkpoint_id=checkpoint)
-        set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
+        model_state.update(shards["model"])  # TE's (empty) extra state stays as the layers have it
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=shards["optimizer"])
         lr_scheduler.load_state_dict(torch.load(checkpoint / "lr_scheduler.pt"))
         set_rng_state(torch.load(checkpoint / "rng.pt"), device)
         return json.loads((checkpoint / "state.json").read_text())
+
+
+def weights_only(model_state: dict) -> dict:
+    """The model's state without TE's extra state (FP8 scaling metadata, empty with current scaling):
+    a run resumes a checkpoint of either backend, and the export holds HF's weights alone."""
+    return {name: value for name, value in model_state.items() if not name.endswith("_extra_state")}
 
 
 def get_parser():

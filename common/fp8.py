@@ -115,11 +115,14 @@ class Float8Stats:
 
 
 def transformer_engine(args):
-    """NVIDIA's Transformer Engine and its recipe, in the layout its own tests cover with FSDP2: FSDP
-    alone, with torchao's tensorwise recipe (Float8CurrentScaling: one scale per tensor, from its amax now).
+    """NVIDIA's Transformer Engine and its recipe, for FSDP alone: the combination TE's own FSDP2 tests
+    exercise (fully_shard over TE's layers; they do not cover FSDP's mixed precision, torch.compile or
+    HF models). The recipe is TE's equivalent of torchao's tensorwise, Float8CurrentScaling: one scale
+    per tensor, from its amax when it is cast.
 
-    Not its delayed scaling (scales from the amaxes of past steps): that history is state, which TE
-    checkpoints as a pickle that it no longer loads by default and DCP cannot reshard.
+    Not TE's delayed scaling (scales from the amaxes of past steps): that history is state, which TE
+    checkpoints as a pickle that it no longer loads by default, and whose size changes once training
+    starts, so that DCP cannot load it in place into a fresh model.
     """
     unsupported = [
         flag
@@ -129,6 +132,7 @@ def transformer_engine(args):
             ("--fp8-recipe rowwise", args.fp8_recipe == "rowwise"),
             ("--fp8-emulate", args.fp8_emulate),
             ("--fp8-stats-every", args.fp8_stats_every > 0),  # they read torchao's layers
+            ("--device cpu", args.device == "cpu"),  # TE computes on CUDA GPUs only
         ]
         if given
     ]
@@ -137,13 +141,19 @@ def transformer_engine(args):
             f"error: --fp8-backend te runs on FSDP alone with tensorwise scales, not with {', '.join(unsupported)}: "
             "use --fp8-backend torchao for those"
         )
+    tokens = args.batch_size * args.seq_length
+    if tokens % 8:  # TE multiplies in FP8 only inputs whose rows (tokens) come in multiples of 8
+        raise SystemExit(
+            f"error: --fp8-backend te needs a multiple of 8 tokens per micro-batch for its FP8 matmuls: "
+            f"--batch-size {args.batch_size} x --seq-length {args.seq_length} is {tokens}; change one of them"
+        )
     try:
         import transformer_engine.pytorch as te
         from transformer_engine.common.recipe import Float8CurrentScaling
     except (ImportError, OSError, RuntimeError) as err:
         raise SystemExit(
-            f"error: --fp8-backend te: Transformer Engine does not load ({err}); "
-            "install it on a machine with CUDA: pip install -e '.[te]'"
+            f"error: --fp8-backend te: Transformer Engine does not load ({err}); install it on a machine "
+            "with CUDA, against this torch: pip install --no-build-isolation 'transformer_engine[pytorch]>=2.18'"
         ) from None
     available, reason = te.is_fp8_available(return_reason=True)
     if not available:

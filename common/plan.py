@@ -41,7 +41,6 @@ the bytes the loss's backward holds, and against torchtitan's published Llama 3.
 """
 
 import argparse
-import math
 from dataclasses import dataclass
 
 import torch

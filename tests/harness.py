@@ -80,10 +80,11 @@ def run_chapter(
         # What it printed, and where each of its processes waits (DIAGNOSING.md's py-spy dump), say why.
         stacks = python_stacks(popen.pid)
         kill_all(popen.pid)
-        stdout, stderr = popen.communicate()
+        stdout, stderr = popen.communicate(timeout=60)
         raise AssertionError(f"{' '.join(cmd)} still ran after {timeout} s:\n{stderr[-8000:]}\n{stacks}") from None
     finally:
-        kill_all(popen.pid)  # should the test be interrupted
+        if popen.poll() is None:  # the test was interrupted (once reaped, the pid may be another's)
+            kill_all(popen.pid)
     proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-5000:]}")
@@ -105,16 +106,23 @@ def kill_all(pid: int) -> None:
 
 
 def python_stacks(pid: int) -> str:
-    """`py-spy dump` of a process and of all its descendants (torchrun's workers), where py-spy is installed."""
+    """`py-spy dump --native` of a process and of all its descendants (torchrun's workers), where py-spy
+    is installed: Python's frames, and C++'s, where a hang at exit shows."""
     if shutil.which("py-spy") is None:
         return "(no py-spy here to show where the processes wait: pip install -e '.[test]')"
-    processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    try:
+        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error as err:
+        return f"(no stacks: {err})"
     dumps = []
     for process in processes:
-        dump = subprocess.run(["py-spy", "dump", "--pid", str(process.pid)], capture_output=True, text=True, timeout=60)
-        dumps.append(
-            f"--- py-spy dump of {process.pid} ({' '.join(process.cmdline())[:200]}):\n{dump.stdout}{dump.stderr}"
-        )
+        try:
+            command = " ".join(process.cmdline())[:200]
+        except psutil.Error:
+            continue  # ended meanwhile
+        dump = subprocess.run(["py-spy", "dump", "--native", "--pid", str(process.pid)], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+        dumps.append(f"--- py-spy dump of {process.pid} ({command}):\n{dump.stdout}{dump.stderr}")
     return "\n".join(dumps)
 
 

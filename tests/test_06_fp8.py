@@ -1,8 +1,13 @@
+import importlib.util
+import os
+import sys
+
 import pytest
 import torch
 from harness import (
     FAST_ARGS,
     OFFLINE_WANDB,
+    REPO,
     compiled_graphs,
     last_lines,
     losses,
@@ -210,3 +215,120 @@ def test_without_fp8_hardware_it_asks_for_emulation(tmp_path, hf_home):
     assert "error: this cpu has no FP8 matmuls" in last_lines(proc.stderr)
     assert "pass --fp8-emulate" in last_lines(proc.stderr)
     assert not (tmp_path / CHAPTER).exists()
+
+
+# Transformer Engine (--fp8-backend te) needs CUDA. tests/fake_te stands in for the TE calls the
+# chapter makes, on the CPU (see its __init__.py): what it checks is the chapter's wiring of them.
+TE_ARGS = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", "6", "--fp8-backend", "te"]
+FAKE_TE_DIR = REPO / "tests" / "fake_te"
+FAKE_TE = {"PYTHONPATH": os.pathsep.join(filter(None, [str(FAKE_TE_DIR), os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.fixture(scope="module")
+def te_run(tmp_path_factory, hf_home):
+    save_dir = tmp_path_factory.mktemp("te")
+    args = [*TE_ARGS, "--save-dir", str(save_dir), "--export-hf", str(save_dir / "export")]
+    run_chapter(CHAPTER, *args, nproc=2, hf_home=hf_home, env=FAKE_TE)
+    return save_dir
+
+
+def test_transformer_engine_layers_train_in_fp8_from_rank_0s_weights(te_run, ddp_reference):
+    """TE's layers start from rank 0's weights (uninitialized ones would not train like chapter 02),
+    compute in FP8 (the losses are not fp32's) within the bounds, and are called inside te.autocast
+    only (the stand-in raises outside it), in training and in evaluation."""
+    assert_trains_like_high_precision(te_run / CHAPTER, ddp_reference)
+    val_te, val_high = losses(te_run / CHAPTER, "val_loss"), losses(ddp_reference, "val_loss")
+    assert len(val_te) == 2 and all(abs(a - b) / b < BOUND for a, b in zip(val_te, val_high))
+
+
+def test_transformer_engine_export_and_exact_resume(te_run, tmp_path, hf_home):
+    """The export holds HF's weights only (no TE extra state), and a resumed run, whose checkpoint
+    carries the TE layers' extra state through DCP, retraces the uninterrupted one exactly."""
+    from safetensors.torch import load_file
+
+    exported = load_file(te_run / "export" / "model.safetensors")
+    assert "model.layers.0.mlp.down_proj.weight" in exported
+    assert not [name for name in exported if "extra_state" in name]
+    rewind(te_run / CHAPTER, tmp_path / CHAPTER, step=6)
+    resumed = run_chapter(CHAPTER, *TE_ARGS, "--save-dir", str(tmp_path), nproc=2, hf_home=hf_home, env=FAKE_TE)
+    assert "step-00000006 at step 6" in resumed.stderr
+    assert losses(tmp_path / CHAPTER) == losses(te_run / CHAPTER)
+
+
+def test_either_backend_resumes_the_others_checkpoint(fp8_run, tmp_path, hf_home):
+    """Checkpoints hold the weights and optimizer state, never TE's extra state: torchao's tensorwise
+    run of step 6, resumed with Transformer Engine, trains on as closely as the two recipes agree."""
+    rewind(fp8_run, tmp_path / CHAPTER, step=6)
+    resumed = run_chapter(CHAPTER, *TE_ARGS, "--save-dir", str(tmp_path), nproc=2, hf_home=hf_home, env=FAKE_TE)
+    assert "step-00000006 at step 6" in resumed.stderr
+    te, torchao = losses(tmp_path / CHAPTER), losses(fp8_run)
+    assert te[:6] == torchao[:6]
+    assert 0 < max(abs(a - b) / b for a, b in zip(te[6:], torchao[6:])) < BOUND
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    """tests/fake_te, imported in this process, and forgotten after the test."""
+    monkeypatch.syspath_prepend(str(FAKE_TE_DIR))
+    import transformer_engine.pytorch as te
+
+    yield te
+    for name in [name for name in sys.modules if name.split(".")[0] == "transformer_engine"]:
+        del sys.modules[name]
+
+
+def test_mfu_counts_transformer_engines_layers(fake_te):
+    """TE's Linear is no nn.Linear: the FLOPs per token, and so MFU, count it all the same."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common import DEFAULT_MODEL, flops_per_token, transformer_blocks
+    from common.fp8 import convert_to_te
+
+    config = AutoConfig.from_pretrained(DEFAULT_MODEL)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    before = flops_per_token(model, config, 128)
+    convert_to_te(transformer_blocks(model), fake_te)
+    assert sum(type(module) is fake_te.Linear for module in model.modules()) == len(FP8_LAYERS)
+    assert flops_per_token(model, config, 128) == before
+
+
+def chapter_parser():
+    spec = importlib.util.spec_from_file_location("chapter_06", REPO / CHAPTER / "train_llm.py")
+    chapter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chapter)
+    return chapter.get_parser()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--tp-size", "2", "--fp8-recipe", "rowwise", "--activation-checkpointing", "--fp8-stats-every", "4"],
+            "error: --fp8-backend te runs on FSDP alone with tensorwise scales, not with --tp-size, "
+            "--activation-checkpointing, --fp8-recipe rowwise, --fp8-stats-every: use --fp8-backend torchao for those",
+        ),
+        (
+            ["--batch-size", "1", "--seq-length", "100"],
+            "error: --fp8-backend te needs a multiple of 8 tokens per micro-batch for its FP8 matmuls: "
+            "--batch-size 1 x --seq-length 100 is 100; change one of them",
+        ),
+    ],
+    ids=["layout", "tokens"],
+)
+def test_transformer_engine_refuses_what_it_cannot_run(argv, message):
+    from common.fp8 import transformer_engine
+
+    with pytest.raises(SystemExit) as exit:
+        transformer_engine(chapter_parser().parse_args(["--fp8-backend", "te", *argv]))
+    assert str(exit.value.code) == message
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed here")
+def test_without_transformer_engine_it_says_how_to_install_it():
+    from common.fp8 import transformer_engine
+
+    with pytest.raises(SystemExit) as exit:
+        transformer_engine(chapter_parser().parse_args(["--fp8-backend", "te"]))
+    assert str(exit.value.code).startswith("error: --fp8-backend te: Transformer Engine does not load (No module named")
+    assert str(exit.value.code).endswith("pip install --no-build-isolation 'transformer_engine[pytorch]>=2.18'")

@@ -223,7 +223,9 @@ def test_adamw_decays_the_weight_matrices_only_and_fsdp_keeps_the_groups():
 
 
 @pytest.mark.parametrize(
-    "dtype, compiled", [("float32", False), ("bfloat16", False), ("bfloat16", True)], ids=["fp32", "bf16", "bf16-compiled"]
+    "dtype, compiled",
+    [("float32", False), ("bfloat16", False), ("bfloat16", True)],
+    ids=["fp32", "bf16", "bf16-compiled"],
 )
 def test_planner_counts_the_activations_hf_llama_saves(dtype, compiled):
     """The planner's activation formula against the bytes HF's Llama really keeps for backward (the

@@ -127,7 +127,7 @@ def test_fsdp_memory_options_on_gpu(flag, tmp_path, hf_home):
     assert counts[0] > 0 and counts[-1] == counts[WARMUP_STEPS - 1], f"frames per step {counts}"
 
 
-@pytest.mark.skipif(not (FP8_GPU and TRANSFORMER_ENGINE), reason="needs FP8 matmuls and Transformer Engine (.[te])")
+@pytest.mark.skipif(not (FP8_GPU and TRANSFORMER_ENGINE), reason="needs FP8 matmuls and Transformer Engine")
 @pytest.mark.xdist_group("06-fp8-te")
 def test_transformer_engine_backend_trains_and_resumes_on_gpu(tmp_path, hf_home):
     """Chapter 06 with --fp8-backend te: compiled blocks around TE's layers (which dynamo does not

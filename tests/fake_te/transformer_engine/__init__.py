@@ -8,5 +8,6 @@ forward and evaluation inside `te.autocast`. It mirrors TE's signatures and beha
 chapter depends on them: `te.Linear` is no nn.Linear, has `in_features`/`out_features`, a `weight`
 and no `bias` parameter when bias=False, an (empty, with current scaling) `_extra_state`, and a
 forward that dynamo does not trace. Inside `te.autocast` it rounds its input and weight to e4m3 with
-one scale per tensor (current scaling), as TE's FP8 forward does; outside, it computes as nn.Linear.
+one scale per tensor (current scaling), as TE's FP8 forward does. Outside, where real TE would
+compute in high precision, it raises: the chapter is meant to call every TE layer in `te.autocast`.
 """

@@ -48,9 +48,11 @@ class Linear(torch.nn.Module):
 
     @torch._dynamo.disable  # TE's forward is marked no_torch_dynamo: compile breaks the graph around it
     def forward(self, inp):
-        weight = self.weight
-        if _fp8_recipe is not None:
-            inp, weight = _e4m3(inp), _e4m3(weight)
+        # Real TE computes in high precision outside te.autocast; chapter 06 never calls it there, so
+        # the stand-in refuses: a forward (training's, evaluation's) left out of te.autocast fails.
+        if _fp8_recipe is None:
+            raise RuntimeError("te.Linear called outside te.autocast")
+        inp, weight = _e4m3(inp), _e4m3(self.weight)
         return F.linear(inp, weight, self.bias if self.use_bias else None)
 
     def get_extra_state(self) -> torch.Tensor:
