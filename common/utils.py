@@ -93,6 +93,9 @@ def record(main):
     return torchrun_record(main_recording_exits)
 
 
+_signalled = False  # set by StopSignal: a stop signal has reached this process
+
+
 class StopSignal:
     """SIGTERM (sent by Slurm before a time limit, by schedulers before a preemption, by torchrun when
     it stops) or Ctrl-C asks the run to stop: it finishes its step, saves a checkpoint and exits, and
@@ -105,9 +108,11 @@ class StopSignal:
         signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum, frame):
+        global _signalled
         if self.name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.name = signal.Signals(signum).name
+        _signalled = True
         logger.warning(f"{self.name}: stopping after this step, with a checkpoint")
 
     def agreed(self, device: torch.device) -> str | None:
@@ -273,11 +278,15 @@ def log_metrics(metrics: dict, jsonl: Path | None) -> None:
     """One record (with its "step") to the file `jsonl` (None: not from this rank) and to wandb.
 
     Slurm sends its stop signal to every process of a job, wandb's service process included: if that
-    has stopped, the metrics still reach the file and training goes on to its checkpoint.
+    has stopped, the metrics still reach the file and training goes on to its checkpoint. Once this
+    process has had a stop signal, wandb is not called at all: a service that is shutting down may
+    leave the call waiting, and the checkpoint unsaved when the scheduler's grace period ends.
     """
     if jsonl is not None:
         with open(jsonl, "a") as f:
             f.write(json.dumps(metrics) + "\n")
+    if _signalled:
+        return
     try:
         wandb.log(metrics, step=metrics["step"])
     except (ConnectionError, BrokenPipeError):

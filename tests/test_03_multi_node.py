@@ -14,7 +14,17 @@ from pathlib import Path
 import psutil
 import pytest
 import slurm_cluster
-from harness import FAST_ARGS, OFFLINE_WANDB, REPO, chapter_env, free_port, losses, run_chapter, torchrun
+from harness import (
+    FAST_ARGS,
+    OFFLINE_WANDB,
+    REPO,
+    chapter_env,
+    free_port,
+    losses,
+    python_stacks,
+    run_chapter,
+    torchrun,
+)
 
 CHAPTER = "03-multi-node"
 SCRIPT = str(REPO / CHAPTER / "train_llm.py")
@@ -257,18 +267,26 @@ def test_slurm_time_limit_stops_with_a_checkpoint_and_requeues(tmp_path, hf_home
         assert time.time() < deadline, "the job did not start training"
         time.sleep(0.5)
     subprocess.run(["scancel", "--signal=TERM", "--batch", job], env=slurm.env, check=True)
+    logs = tmp_path / "logs" / f"train-llm-{job}"
+    deadline = time.time() + 25  # torchrun kills the training 30 s after the signal
+    while "Stopped by SIGTERM" not in "".join(p.read_text() for p in logs.glob("*.log")):
+        if time.time() > deadline:  # where each process of the job waits says why
+            pids = [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in str(p.info["cmdline"])]
+            pytest.fail("no checkpoint 25 s after the stop signal:\n" + "\n".join(map(python_stacks, pids)))
+        time.sleep(0.5)
     deadline = time.time() + 240
     while True:
         show = subprocess.run(["scontrol", "show", "job", "-o", job], env=slurm.env, capture_output=True, text=True)
         state = dict(field.split("=", 1) for field in show.stdout.split() if "=" in field)
         if state["JobState"] == "COMPLETED" and int(state["Restarts"]) > 0:
             break
-        if state["Reason"] == "BeginTime":  # Slurm delays a requeued job's start by minutes: not a test's
-            subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], env=slurm.env, check=True)
-        assert time.time() < deadline, state  # on its way it passes through FAILED, REQUEUED, PENDING
+        # On its way it passes through FAILED, REQUEUED and PENDING: Slurm starts a requeued job again
+        # once its revoked credential expires, after 20 s here (tests/slurm_cluster.py's cred_expire).
+        # Started sooner (scontrol update StartTime=now), the job is killed: "Job credential revoked".
+        assert time.time() < deadline, {key: state.get(key) for key in ["JobState", "Reason", "Restarts"]}
         time.sleep(0.5)
     job_output = (tmp_path / f"train-llm-{job}.out").read_text()
-    logs = "".join(p.read_text() for p in (tmp_path / "logs" / f"train-llm-{job}").glob("*.log"))
+    logs = "".join(p.read_text() for p in logs.glob("*.log"))
     assert "SIGTERM: the training stops with a checkpoint" in job_output and "Requeued" in job_output, job_output
     stopped = re.search(r"Stopped by SIGTERM at step (\d+)", logs)
     assert stopped and f"at step {stopped.group(1)}" in logs.split("Stopped by SIGTERM")[1], logs[-3000:]
