@@ -26,7 +26,8 @@ def chapter_env(hf_home: Path, env: dict | None = None, faults: dict | None = No
     Hub access, one math thread per process (two cores are shared by all ranks), and W&B disabled,
     which saves its service process's start in every rank of every run; the tests of the W&B paths
     ask for `OFFLINE_WANDB`.
-    `faults` switches on tests/faults/sitecustomize.py with the given FAULT_* variables.
+    tests/faults/sitecustomize.py runs first in every process (it spares the garbage collector the
+    imports); `faults` switches on its faults and probes with the given FAULT_* and PROBE_* variables.
     """
     full_env = {
         **os.environ,
@@ -38,9 +39,8 @@ def chapter_env(hf_home: Path, env: dict | None = None, faults: dict | None = No
         **(env or {}),
     }
     full_env = {k: v for k, v in full_env.items() if v is not None}  # None in `env` unsets a variable
-    if faults:
-        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), full_env.get("PYTHONPATH")]))
-        full_env.update({k: str(v) for k, v in faults.items()})
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), full_env.get("PYTHONPATH")]))
+    full_env.update({k: str(v) for k, v in (faults or {}).items()})
     return full_env
 
 

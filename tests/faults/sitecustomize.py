@@ -1,6 +1,6 @@
-"""Test-only fault injection. Python imports this file at start-up when its folder is on PYTHONPATH
-(tests/harness.py puts it there when a test asks for a fault), so the training scripts carry no
-test hooks. Each fault is chosen by an environment variable:
+"""Test-only fault injection. Python imports this file at the start of every process the tests
+launch (tests/harness.py's chapter_env puts its folder on PYTHONPATH), so the training scripts carry
+no test hooks. Each fault is chosen by an environment variable:
 
 FAULT_KILL_AFTER_CHECKPOINT=N   SIGKILL this process right after its N-th checkpoint is published.
 FAULT_KILL_DURING_CHECKPOINT=N  SIGKILL this process half-way through a file of its N-th checkpoint.
@@ -27,9 +27,24 @@ PROBE_COMPILE_BACKEND=eager     torch.compile traces with dynamo as usual, then 
                                 often, is the same, in seconds instead of minutes on a small CPU.
 """
 
+import gc
 import os
 import signal
 from pathlib import Path
+
+# No garbage collection during the imports: torch, transformers and datasets make ~370k objects that
+# the collector would scan again and again, 10% of the suite's CPU time. Every chapter calls
+# gc.freeze() in main once its imports are done; from there on it collects as it does for users.
+gc.disable()
+_gc_freeze = gc.freeze
+
+
+def _freeze_then_collect():
+    _gc_freeze()
+    gc.enable()
+
+
+gc.freeze = _freeze_then_collect
 
 
 def _die():
