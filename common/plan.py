@@ -9,7 +9,8 @@ bytes each GPU holds and sends per step, which layouts fit in --gpu-memory-gib, 
 that does. The formulas are those the chapter READMEs teach; this is the one place that holds them:
 
 - Training state (fp32 weights, gradients, AdamW's two moments): 4 + 4 + 8 bytes per parameter,
-  on every GPU with DDP, divided by the number of GPUs with FSDP (and FSDP x TP).
+  on every GPU with DDP, divided by the number of GPUs with FSDP (and FSDP x TP). DDP on more than
+  one GPU keeps a second copy of the gradients, 4 more bytes: the buckets it all-reduces them in.
 - FSDP also holds the blocks it has gathered to compute with: about two blocks' weights in the
   compute dtype (the one computing, the next one prefetched), 1 byte per weight with FP8 all-gathers.
 - Activations kept for backward, per token and block, as HF's Llama saves them with SDPA's flash
@@ -34,10 +35,10 @@ that does. The formulas are those the chapter READMEs teach; this is the one pla
 The gradients are counted as held at the peak, though under FSDP they are mostly allocated after
 it, as backward frees the activations: a margin of up to 4 bytes per parameter per GPU.
 
-Checked by the test suite against what chapters 04 and 05 measure on the CPU (sharded bytes per
-rank), against the tensors HF's Llama saves for backward (eager and compiled, fp32 and bf16) and
-the bytes the loss's backward holds, and against torchtitan's published Llama 3.1 8B peaks on 8 and
-128 GPUs (the README's "How to choose").
+Checked by the test suite against what chapters 02, 04 and 05 measure on the CPU (each rank's
+weights, gradients and AdamW state), against the tensors HF's Llama saves for backward (eager and
+compiled, fp32 and bf16) and the bytes the loss's backward holds, and against torchtitan's published
+Llama 3.1 8B peaks on 8 and 128 GPUs (the README's "How to choose").
 """
 
 import argparse
@@ -113,7 +114,9 @@ def plan(
     p, n, t = m["params"], layout.gpus, layout.tp
     shards = n if layout.sharded else 1
     dp = n // t
-    state = {"weights": 4 * p / shards, "gradients": 4 * p / shards, "optimizer": 8 * p / shards}
+    # DDP copies the gradients into buckets of its own to all-reduce them: a second copy, kept.
+    ddp_buckets = 4 * p if not layout.sharded and n > 1 else 0
+    state = {"weights": 4 * p / shards, "gradients": 4 * p / shards + ddp_buckets, "optimizer": 8 * p / shards}
     gathered = 2 * m["block_params"] / t * (1 if fp8 else compute_bytes) if layout.sharded else 0
     tokens = batch_size * seq_length
     activations = activation_bytes(m, tokens, t, layout.checkpointing, compute_bytes, compiled)

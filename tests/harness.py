@@ -126,6 +126,17 @@ def python_stacks(pid: int) -> str:
     return "\n".join(dumps)
 
 
+def assert_state_as_planned(probe: Path, layout) -> None:
+    """Rank 0's weights, gradients and AdamW moments, as PROBE_STATE_BYTES measured them, are what
+    python -m common.plan predicts for the tiny default model in `layout`, within 5%."""
+    from common.plan import count, plan
+
+    measured = json.loads(probe.read_text())
+    predicted = plan(count(str(REPO / "common" / "tiny_llama")), layout, 4, 128, 4, fp8=False)
+    for key in ["weights", "gradients", "optimizer"]:
+        assert abs(measured[key] - predicted[key]) <= 0.05 * predicted[key], (key, measured, predicted)
+
+
 def read_metrics(exp_dir: Path) -> dict[int, dict]:
     """metrics.jsonl by step, training and validation records of a step merged. A resumed run logs
     again the steps after its checkpoint: the last entry wins."""

@@ -6,9 +6,11 @@ import sys
 import time
 
 import pytest
+from common.plan import Layout
 from harness import (
     FAST_ARGS,
     REPO,
+    assert_state_as_planned,
     compiled_graphs,
     last_line,
     last_lines,
@@ -48,23 +50,30 @@ def test_matches_chapter_01_with_the_same_global_batch(chapter_01_run, straight_
     assert len(ddp_val) == 2 and max(abs(a - b) for a, b in zip(single_val, ddp_val)) <= 1e-5
 
 
-def test_gradient_accumulation_all_reduces_once_per_step(tmp_path, hf_home, chapter_01_run):
-    """2 ranks x 2 micro-batches of 2 rows equal chapter 01's batch of 8; no_sync keeps DDP from
-    all-reducing after the first micro-batch, so each step all-reduces each gradient bucket once."""
+@pytest.fixture(scope="module")
+def accumulating_run(tmp_path_factory, hf_home):
+    """2 ranks x 2 micro-batches of 2 rows (chapter 01's batch of 8), with the gradient reductions
+    and the bytes of rank 0's training state recorded (tests/faults/sitecustomize.py)."""
+    save_dir = tmp_path_factory.mktemp("accumulating")
     args = [*FAST_ARGS, "--batch-size", "2", "--grad-accum-steps", "2", "--max-steps", str(STEPS)]
-    probe = tmp_path / "reductions.jsonl"
-    run_chapter(
-        CHAPTER,
-        *args,
-        "--save-dir",
-        str(tmp_path),
-        nproc=RANKS,
-        hf_home=hf_home,
-        faults={"PROBE_GRADIENT_REDUCTIONS": probe},
-    )
-    assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(chapter_01_run))) <= 1e-5
+    probes = {"PROBE_GRADIENT_REDUCTIONS": save_dir / "reductions.jsonl", "PROBE_STATE_BYTES": save_dir / "state.json"}
+    run_chapter(CHAPTER, *args, "--save-dir", str(save_dir), nproc=RANKS, hf_home=hf_home, faults=probes)
+    return save_dir
+
+
+def test_gradient_accumulation_all_reduces_once_per_step(accumulating_run, chapter_01_run):
+    """no_sync keeps DDP from all-reducing after the first micro-batch, so each step all-reduces each
+    gradient bucket once, and the losses are chapter 01's."""
+    assert max(abs(a - b) for a, b in zip(losses(accumulating_run / CHAPTER), losses(chapter_01_run))) <= 1e-5
+    probe = accumulating_run / "reductions.jsonl"
     buckets = [json.loads(line)["ddp_buckets"] for line in probe.read_text().splitlines()]
     assert len(buckets) == STEPS and all(b and sorted(b) == sorted(set(b)) for b in buckets), buckets
+
+
+def test_each_rank_holds_what_the_planner_predicts(accumulating_run):
+    """Every rank holds all the weights, their gradients twice (in the parameters and in DDP's
+    all-reduce buckets) and AdamW's two moments: 4 + 8 + 8 bytes per parameter."""
+    assert_state_as_planned(accumulating_run / "state.json", Layout("DDP", gpus=RANKS, sharded=False))
 
 
 def test_compile_traces_the_ddp_model_once(tmp_path, hf_home, straight_run):

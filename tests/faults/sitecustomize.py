@@ -22,6 +22,10 @@ Probes, which change nothing the script computes:
 PROBE_COMPILE_COUNTS=path       after every optimizer step of rank 0, append to `path` a JSON line
                                 with the frames dynamo has looked at so far and the graphs it has
                                 compiled (a recompile adds a graph).
+PROBE_STATE_BYTES=path          at the first optimizer step of rank 0, write to `path` a JSON object
+                                with the bytes of its weights, gradients (DDP's all-reduce buckets
+                                included) and AdamW's moments: each storage once, a sharded tensor
+                                (DTensor) by its local piece. What python -m common.plan predicts.
 PROBE_COMPILE_BACKEND=eager     torch.compile traces with dynamo as usual, then runs the traced graphs
                                 as they are instead of generating kernels: what was traced, and how
                                 often, is the same, in seconds instead of minutes on a small CPU.
@@ -221,3 +225,44 @@ if "PROBE_GRADIENT_REDUCTIONS" in os.environ and os.environ.get("RANK", "0") == 
         return _counted_step(self, *args, **kwargs)
 
     torch.optim.AdamW.step = _step_and_record
+
+if "PROBE_STATE_BYTES" in os.environ and os.environ.get("RANK", "0") == "0":
+    import json
+
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    _state_bytes_path = Path(os.environ["PROBE_STATE_BYTES"])
+    _ddp_models = []
+    _ddp_init_for_bytes = DistributedDataParallel.__init__
+
+    def _ddp_init_and_keep(self, *args, **kwargs):
+        _ddp_init_for_bytes(self, *args, **kwargs)
+        _ddp_models.append(self)
+
+    DistributedDataParallel.__init__ = _ddp_init_and_keep
+
+    def _storage_bytes(tensors):
+        storages = {}
+        for tensor in tensors:
+            storage = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    _measured_step = torch.optim.AdamW.step
+
+    def _step_and_measure(self, *args, **kwargs):
+        params = [p for group in self.param_groups for p in group["params"]]
+        gradients = _storage_bytes(p.grad for p in params if p.grad is not None)
+        # DDP copies the gradients into its own buckets to all-reduce them ("bucket_sizes": bytes).
+        for model in _ddp_models:
+            gradients += sum(int(size) for size in model._get_ddp_logging_data()["bucket_sizes"].split(","))
+        result = _measured_step(self, *args, **kwargs)
+        if not _state_bytes_path.exists():
+            moments = [v for state in self.state.values() for v in state.values() if v.dim() > 0]  # not `step`
+            measured = {"weights": _storage_bytes(params), "gradients": gradients, "optimizer": _storage_bytes(moments)}
+            _state_bytes_path.write_text(json.dumps(measured))
+        return result
+
+    torch.optim.AdamW.step = _step_and_measure
