@@ -253,16 +253,17 @@ if "PROBE_STATE_BYTES" in os.environ and os.environ.get("RANK", "0") == "0":
     _measured_step = torch.optim.AdamW.step
 
     def _step_and_measure(self, *args, **kwargs):
+        if _state_bytes_path.exists():  # measured at the first step
+            return _measured_step(self, *args, **kwargs)
         params = [p for group in self.param_groups for p in group["params"]]
         gradients = _storage_bytes(p.grad for p in params if p.grad is not None)
         # DDP copies the gradients into its own buckets to all-reduce them ("bucket_sizes": bytes).
         for model in _ddp_models:
             gradients += sum(int(size) for size in model._get_ddp_logging_data()["bucket_sizes"].split(","))
         result = _measured_step(self, *args, **kwargs)
-        if not _state_bytes_path.exists():
-            moments = [v for state in self.state.values() for v in state.values() if v.dim() > 0]  # not `step`
-            measured = {"weights": _storage_bytes(params), "gradients": gradients, "optimizer": _storage_bytes(moments)}
-            _state_bytes_path.write_text(json.dumps(measured))
+        moments = [v for state in self.state.values() for v in state.values() if v.dim() > 0]  # not `step`
+        measured = {"weights": _storage_bytes(params), "gradients": gradients, "optimizer": _storage_bytes(moments)}
+        _state_bytes_path.write_text(json.dumps(measured))
         return result
 
     torch.optim.AdamW.step = _step_and_measure
