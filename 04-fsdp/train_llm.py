@@ -6,6 +6,7 @@ With no arguments it trains a tiny Llama on a small task dataset, both shipped i
 Rerunning the same command resumes from the last checkpoint in --save-dir/--experiment-name.
 """
 
+import functools
 import gc
 import json
 import logging
@@ -221,9 +222,11 @@ def main():
         logger.info(f"Resumed from {checkpoint} at step {state['global_step']}")
 
     # Each block compiled on its own: FSDP's hooks between blocks stay outside the compiled code.
+    # Whole, or not at all (fullgraph): a graph break would silently split a block into pieces, each
+    # compiled apart, with the collectives and casts between them left uncompiled.
     if use_compile:
         for block in blocks:
-            block.compile()
+            block.compile(fullgraph=True)
 
     # One wandb run per rank (each rank's timings and memory are its own), grouped by job. The
     # ids come from the checkpoint, as in chapter 01: a new run never continues an old one.
@@ -368,14 +371,26 @@ def main():
 
 
 def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
-    """Shards each transformer block, then the root (embeddings, final norm, output head).
+    """Shards the input embeddings, each transformer block and the output head as units of their own,
+    then the root (the rest: the final norm).
 
-    A block is the unit of communication: its weights are all-gathered just before its forward and
-    backward and freed right after, and its gradients reduce-scattered as soon as they are ready.
+    A unit is what FSDP communicates at once: its weights are all-gathered just before its forward
+    and backward and freed right after, and its gradients reduce-scattered as soon as they are ready,
+    while the next unit computes. FSDP never frees the root's weights after forward and reduce-scatters
+    its gradients after the whole backward, where nothing hides the time: left in the root, the
+    embeddings and the head (vocabulary x hidden each, the largest weights) would be held all step
+    and reduced last. Tied, they are one weight, and stay in the root together.
     """
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    tied = model.config.tie_word_embeddings
+    if not tied:
+        shard(model.get_input_embeddings())
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+        shard(block)
+    if not tied:
+        # Backward needs the head right after forward: kept gathered in between, not gathered twice.
+        shard(model.get_output_embeddings(), reshard_after_forward=False)
+    shard(model)
 
 
 def export_hf(model, config, tokenizer, folder, dtype, rank):

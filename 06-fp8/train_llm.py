@@ -1,6 +1,6 @@
 """Chapter 06: FP8 matmuls in the transformer blocks (torchao float8), on chapter 05's FSDP x TP.
 
-    torchrun --standalone --nproc-per-node gpu 06-fp8/train_llm.py --tp-size 2
+    torchrun --standalone --nproc-per-node gpu 06-fp8/train_llm.py --tp-size 2 --fp8-layers all
     torchrun --standalone --nproc-per-node 2 06-fp8/train_llm.py --fp8-emulate     # CPU: emulated
     torchrun --standalone --nproc-per-node gpu 06-fp8/train_llm.py --fp8-backend te  # NVIDIA's Transformer Engine
 
@@ -48,13 +48,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_tensor_parallel import (
     Float8ColwiseParallel,
     Float8RowwiseParallel,
     PrepareFloat8ModuleInput,
 )
-from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM
 
 from common import (
@@ -89,7 +90,7 @@ from common import (
     wandb_mode,
     warmup_cosine,
 )
-from common.fp8 import Float8Stats, convert_to_te, fp8_able, transformer_engine
+from common.fp8 import Float8Stats, convert_to_te, fp8_filter, fp8_summary, torchao_settings, transformer_engine
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,8 @@ def main():
     if args.fp8_backend == "te":
         te, recipe = transformer_engine(args)
         fp8_autocast = functools.partial(te.autocast, recipe=recipe)
+    else:
+        use_compile = torchao_settings(args, device, use_compile)
     if args.cpu_offload and device.type != "cuda":
         raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
     # Two dimensions. tp, the inner one, groups --tp-size consecutive ranks: the GPUs of one node,
@@ -215,17 +218,20 @@ def main():
     # output layer stays in high precision: the logits are where FP8's rounding would cost most.
     # With one scale per tensor, FSDP all-gathers torchao's weights in FP8: half the bytes of bf16.
     fp8_all_gather = args.fp8_backend == "torchao" and args.fp8_recipe == "tensorwise"
-    # FP8 matmuls need both dimensions to be multiples of 16 (fp8_able): a layer that is not stays as it is.
     if args.fp8_backend == "te":
         convert_to_te(blocks, te)
     else:
-        fp8_config = dataclasses.replace(
-            Float8LinearConfig.from_recipe_name(args.fp8_recipe),
-            emulate=args.fp8_emulate,
-            enable_fsdp_float8_all_gather=fp8_all_gather,
-        )
-        for block in blocks:
-            convert_to_float8_training(block, config=fp8_config, module_filter_fn=fp8_able)
+        apply_float8(blocks, args, fp8_all_gather)
+    # A run "in FP8" with no layer in FP8 would only be slower: refused, and otherwise said what is in FP8.
+    filtered = (
+        f"too small for FP8 to be faster at --tp-size {args.tp_size} (--fp8-layers all converts them)"
+        if args.fp8_layers == "fast"
+        else f"dimensions not multiples of 16 at --tp-size {args.tp_size}"
+    )
+    in_fp8, summary = fp8_summary(model, blocks, filtered)
+    if not in_fp8:
+        raise SystemExit(f"error: no layer would compute in FP8: {summary}")
+    logger.info(summary)
     if args.activation_checkpointing:
         # Each block keeps only its input; its activations are recomputed during backward.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -291,11 +297,17 @@ def main():
         state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
         check_resume(checkpoint, state, layout)
         logger.info(f"Resumed from {checkpoint} at step {state['global_step']}")
+    if fp8_all_gather:
+        # The first step's FP8 weight scales, as after every optimizer step: one all-reduce for all
+        # weights (without it, FSDP's all-gather reduces each weight's amax on its own).
+        precompute_float8_dynamic_scale_for_fsdp(model)
 
     # Each block compiled on its own: FSDP's hooks between blocks stay outside the compiled code.
+    # Whole, or not at all (fullgraph): a graph break would silently split a block into pieces, each
+    # compiled apart, with the collectives and casts between them left uncompiled.
     if use_compile:
         for block in blocks:
-            block.compile()
+            block.compile(fullgraph=args.fp8_backend != "te")  # TE's layers break the graph by design
 
     # One wandb run per rank (each rank's timings and memory are its own), grouped by job. The
     # ids come from the checkpoint, as in chapter 01: a new run never continues an old one.
@@ -318,8 +330,7 @@ def main():
     guard = NonFiniteGuard(device)
     stop = StopSignal()
     if args.fp8_stats_every:
-        groups = {"dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group(), "world": None, "none": None}
-        fp8_stats = Float8Stats(model, groups[args.fp8_stats_group], reduce=args.fp8_stats_group != "none")
+        fp8_stats = Float8Stats(model, group=None, device=device, reduce=args.fp8_stats_group == "world")
     postfix = {}  # what the progress bar shows after the counts
     # Rank 0 carries the job's loss sum from before the checkpoint; the others start from zero.
     running_loss = state["running_loss"] if rank == 0 else 0.0
@@ -377,6 +388,9 @@ def main():
                         loss.backward()
                     step_loss += loss.detach()
 
+                if fp8_stats_step:  # the weights this step multiplied by, before the optimizer changes them
+                    fp8_metrics = {"step": state["global_step"] + 1, **fp8_stats.stop()}
+                    log_metrics(fp8_metrics, exp_dir / "metrics.jsonl" if rank == 0 else None)
                 with timers("optimizer"):
                     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     optimizer.step()
@@ -385,9 +399,6 @@ def main():
                         precompute_float8_dynamic_scale_for_fsdp(model)
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
-                if fp8_stats_step:
-                    fp8_metrics = {"step": state["global_step"] + 1, **fp8_stats.stop()}
-                    log_metrics(fp8_metrics, exp_dir / "metrics.jsonl" if rank == 0 else None)
 
                 state["global_step"] += 1
                 state["epoch_step"] += 1
@@ -462,15 +473,41 @@ def main():
     dist.destroy_process_group()
 
 
-def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
-    """Shards each transformer block, then the root (embeddings, final norm, output head).
-
-    A block is the unit of communication: its weights are all-gathered just before its forward and
-    backward and freed right after, and its gradients reduce-scattered as soon as they are ready.
-    """
+def apply_float8(blocks, args, fp8_all_gather):
+    """Swaps the blocks' nn.Linear layers for torchao's Float8Linear: those whose slice on each GPU FP8
+    can multiply (under TP, a slice of the weight), and with --fp8-layers fast (the default on FP8
+    hardware) only those large enough for FP8 to be faster, by torchao's thresholds."""
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(args.fp8_recipe),
+        emulate=args.fp8_emulate,
+        enable_fsdp_float8_all_gather=fp8_all_gather,
+    )
+    keep = fp8_filter(args.fp8_recipe, args.tp_size, fast_only=args.fp8_layers == "fast")
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+        convert_to_float8_training(block, config=config, module_filter_fn=keep)
+
+
+def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
+    """Shards the input embeddings, each transformer block and the output head as units of their own,
+    then the root (the rest: the final norm).
+
+    A unit is what FSDP communicates at once: its weights are all-gathered just before its forward
+    and backward and freed right after, and its gradients reduce-scattered as soon as they are ready,
+    while the next unit computes. FSDP never frees the root's weights after forward and reduce-scatters
+    its gradients after the whole backward, where nothing hides the time: left in the root, the
+    embeddings and the head (vocabulary x hidden each, the largest weights) would be held all step
+    and reduced last. Tied, they are one weight, and stay in the root together.
+    """
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    tied = model.config.tie_word_embeddings
+    if not tied:
+        shard(model.get_input_embeddings())
+    for block in blocks:
+        shard(block)
+    if not tied:
+        # Backward needs the head right after forward: kept gathered in between, not gathered twice.
+        shard(model.get_output_embeddings(), reshard_after_forward=False)
+    shard(model)
 
 
 def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
@@ -485,11 +522,21 @@ def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
 
     With one FP8 scale per tensor, torchao's float8 styles cast the blocks' inputs to FP8 before
     all-gathering them: half the bytes. (Per-row scales cannot be computed on a slice of the tokens.)
+    Only for the layers in FP8, and an input only where every layer it feeds is: the float8 styles
+    refuse a plain nn.Linear. The blocks are alike: the first one's layers say for all.
     """
-    if fp8_all_gather:
-        colwise, rowwise, prepare_input = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
-    else:
-        colwise, rowwise, prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+    def style(plain, float8, *layers):
+        block = blocks[0]
+        in_fp8 = all(_has(block, name) and isinstance(block.get_submodule(name), Float8Linear) for name in layers)
+        return float8 if fp8_all_gather and in_fp8 else plain
+
+    qkv, gate_up = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["mlp.gate_proj", "mlp.up_proj"]
+    prepare_attention = style(PrepareModuleInput, PrepareFloat8ModuleInput, *qkv)
+    prepare_mlp = style(PrepareModuleInput, PrepareFloat8ModuleInput, *gate_up)
+    colwise = {name: style(ColwiseParallel, Float8ColwiseParallel, name) for name in qkv + gate_up}
+    o_down = ["self_attn.o_proj", "mlp.down_proj"]
+    rowwise = {name: style(RowwiseParallel, Float8RowwiseParallel, name) for name in o_down}
     root_plan = {
         # The embedding's output is the first residual stream: split over the tokens. It stays a
         # DTensor (use_local_output=False), whose shape HF reads as the full sequence's.
@@ -502,18 +549,18 @@ def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
     }
     block_plan = {
         "input_layernorm": SequenceParallel(),
-        "self_attn": prepare_input(
+        "self_attn": prepare_attention(
             input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
         ),
-        "self_attn.q_proj": colwise(),
-        "self_attn.k_proj": colwise(),
-        "self_attn.v_proj": colwise(),
-        "self_attn.o_proj": rowwise(output_layouts=Shard(1), use_local_output=False),
+        "self_attn.q_proj": colwise["self_attn.q_proj"](),
+        "self_attn.k_proj": colwise["self_attn.k_proj"](),
+        "self_attn.v_proj": colwise["self_attn.v_proj"](),
+        "self_attn.o_proj": rowwise["self_attn.o_proj"](output_layouts=Shard(1), use_local_output=False),
         "post_attention_layernorm": SequenceParallel(),
-        "mlp": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "mlp.gate_proj": colwise(),
-        "mlp.up_proj": colwise(),
-        "mlp.down_proj": rowwise(output_layouts=Shard(1), use_local_output=False),
+        "mlp": prepare_mlp(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": colwise["mlp.gate_proj"](),
+        "mlp.up_proj": colwise["mlp.up_proj"](),
+        "mlp.down_proj": rowwise["mlp.down_proj"](output_layouts=Shard(1), use_local_output=False),
     }
     # parallelize_module skips a name it cannot find, with only a warning: a model of another
     # layout would train with some layers unsplit.
@@ -662,9 +709,15 @@ def get_parser():
     )
     parser.add_argument(
         "--fp8-stats-group",
-        choices=["dp", "tp", "world", "none"],
+        choices=["world", "none"],
         default="world",
-        help="ranks whose statistics are combined",
+        help="the activations of all replicas combined, or each replica's own (a split tensor counts whole)",
+    )
+    parser.add_argument(
+        "--fp8-layers",
+        choices=["fast", "all"],
+        help="the blocks' linear layers that FP8 makes faster, by torchao's thresholds on each GPU's slice, or all "
+        "that it can multiply (default: all with --fp8-emulate, fast otherwise)",
     )
     parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     parser.add_argument("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")

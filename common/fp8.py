@@ -1,4 +1,10 @@
-"""Chapter 06's FP8 helpers: precision statistics, and Transformer Engine as the other backend.
+"""Chapter 06's FP8 helpers: which layers compute in FP8, precision statistics, and Transformer Engine
+as the other backend.
+
+**Which layers** (`fp8_filter`): FP8 multiplies only matrices whose dimensions are multiples of 16,
+and pays off only for large enough matmuls: casting to FP8 reads and writes every operand once more,
+which a small matmul does not win back. The matmul that counts is the one each GPU runs: under TP its
+slice of the weight. `fp8_summary` says what was converted and why the rest was not.
 
 **Precision statistics**: how much of each tensor FP8 loses, measured torch-natively. In the spirit
 of Transformer Engine's precision debug tools: on the steps it is asked to, for every layer that
@@ -6,43 +12,51 @@ computes in FP8 (torchao's `Float8Linear`), for its input, its weight and the gr
 output, the amax and the fractions of values that
 - **underflow**: non-zero, but zero once scaled and cast (too small for FP8's range at this scale);
 - **saturate**: beyond FP8's largest value once scaled, clamped to it.
-The scales are those the layer's recipe computes (tensorwise: one per tensor; rowwise: one per row,
-rounded to a power of 2), with the recipe's dtypes (e4m3 for inputs and weights; e5m2 for output
-gradients in the tensorwise recipe). Each rank measures the pieces it holds, and the counts are
-reduced over a process group. Dynamic scaling maps each amax onto FP8's largest value, so with
-torchao's recipes nothing saturates by construction: the number to watch is underflow.
+Each is measured with the scale the cast really uses: for a tensor split over ranks (a DTensor: a
+weight sharded by FSDP and TP, an activation split by TP), from the amax of the whole tensor, reduced
+over the ranks that hold its pieces, or the weight scale FSDP precomputed; per row for the rowwise
+recipe (rounded to a power of 2), with the recipe's dtypes (e4m3 for inputs and weights; e5m2 for
+output gradients in the tensorwise recipe). A split tensor's counts are those of the whole tensor.
+Dynamic scaling maps each amax onto FP8's largest value, so with torchao's recipes nothing saturates
+by construction: the number to watch is underflow, and a saturation above 0 means a wrong scale.
 
 **Transformer Engine** (`--fp8-backend te`): its `te.Linear` in place of the blocks' linear layers,
 checked for the layout it supports and for its presence first.
 """
 
+import collections
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torchao.float8 import _auto_filter_for_recipe  # torchao's public filter, despite the underscore
 from torchao.float8.config import ScalingGranularity
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
-_STATS = ["amax", "underflow", "saturated", "count"]
-
-
 class Float8Stats:
-    """`start()` before a step's forward and `stop()` after its backward return the statistics of
-    that step. Hooks exist only between the two, and compiled code runs eagerly there (compiled
-    graphs have no hooks), so steps without statistics cost nothing."""
+    """`start()` before a step's forward, and `stop()` after its backward and before the optimizer step
+    (the weights the step multiplied by), return the statistics of that step. Hooks exist only between
+    the two, and compiled code runs eagerly there (compiled graphs have no hooks), so steps without
+    statistics cost nothing.
 
-    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None, reduce: bool = True):
+    `group`: the ranks whose activations and gradients are combined (None: all), or `reduce=False`
+    for each replica's own. A split tensor is always measured whole: the fractions are the same
+    whichever ranks add up their counts."""
+
+    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None, device, reduce: bool = True):
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
-        self.group, self.reduce = group, reduce
+        self.group, self.device, self.reduce = group, device, reduce
         self.handles, self.values = [], {}
 
     def start(self) -> None:
         torch.compiler.set_stance("force_eager")
         self.values = {}
         for name, module in self.layers.items():
-            # prepend: before TP's own pre-hook casts or gathers the input.
-            self.handles.append(module.register_forward_pre_hook(self._input_hook(name), prepend=True))
-            self.handles.append(module.register_forward_hook(self._output_hook(name)))
+            # After TP's hook has laid the input out as the layer receives it (a DTensor under TP), and
+            # (prepend) before TP's hook turns the output into a local piece: split tensors stay DTensors.
+            self.handles.append(module.register_forward_pre_hook(self._input_hook(name)))
+            self.handles.append(module.register_forward_hook(self._output_hook(name), prepend=True))
 
     def stop(self) -> dict[str, float]:
         for handle in self.handles:
@@ -50,7 +64,9 @@ class Float8Stats:
         self.handles = []
         torch.compiler.set_stance("default")
         for name, module in self.layers.items():
-            self._measure(f"{name}/weight", module.weight, module.config.cast_config_weight, module)
+            # With FP8 all-gathers, FSDP casts each shard with the scale precomputed for the whole weight.
+            precomputed = getattr(_local(module.weight), "_precomputed_scale", None)
+            self._measure(f"{name}/weight", module.weight, module.config.cast_config_weight, module, precomputed)
         keys = sorted(self.values)
         stats = torch.stack([self.values[key] for key in keys])  # one row per tensor: amax, underflow, saturated, count
         if self.reduce:
@@ -79,39 +95,47 @@ class Float8Stats:
 
         return hook
 
-    def _measure(self, key: str, tensor: torch.Tensor, cast_config, module) -> None:
-        if isinstance(tensor, DTensor):
-            tensor = tensor.to_local()
-        if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
-            # Already cast to FP8 before it reached the layer (TP's float8 all-gather): nothing to measure.
-            tensor = getattr(tensor, "_tensor", None)  # FSDP's float8 all-gather wraps the weight
-            if tensor is None:
-                return
+    def _measure(self, key: str, tensor: torch.Tensor, cast_config, module, scale=None) -> None:
+        if _is_fp8(tensor):
+            raise RuntimeError(f"{key} reached its layer already in FP8: its statistics cannot be measured")
         x = tensor.detach().float()
         dtype = cast_config.target_dtype or torch.float8_e4m3fn
-        rowwise = cast_config.scaling_granularity is ScalingGranularity.AXISWISE
-        scale = tensor_to_scale(
-            x,
-            dtype,
-            scaling_granularity=cast_config.scaling_granularity,
-            axiswise_dim=-1 if rowwise else None,
-            round_scales_to_power_of_2=module.config.round_scales_to_power_of_2,
-        )
+        if scale is None:
+            # On a DTensor, the amax of the whole tensor (per row: of the whole row), reduced over the
+            # ranks holding its pieces: the scale torchao's cast of that DTensor computes.
+            rowwise = cast_config.scaling_granularity is ScalingGranularity.AXISWISE
+            scale = tensor_to_scale(
+                x,
+                dtype,
+                scaling_granularity=cast_config.scaling_granularity,
+                axiswise_dim=-1 if rowwise else None,
+                round_scales_to_power_of_2=module.config.round_scales_to_power_of_2,
+            )
         scaled = x * scale
         cast = to_fp8_saturated(scaled, dtype)
-        row = torch.stack(
-            [
-                x.abs().max(),
-                ((cast == 0) & (x != 0)).sum().float(),
-                # The amax itself may land a float32 rounding above the largest value: not saturation.
-                (scaled.abs() > torch.finfo(dtype).max * (1 + 1e-6)).sum().float(),
-                torch.tensor(float(x.numel()), device=x.device),
-            ]
-        )
+        values = [
+            x.abs().max(),
+            ((cast == 0) & (x != 0)).sum(),
+            # The amax itself may land a float32 rounding above the largest value: not saturation.
+            (scaled.abs() > torch.finfo(dtype).max * (1 + 1e-6)).sum(),
+        ]
+        # A DTensor's max and sums are partial on each rank: reduced over its ranks, they are the whole tensor's.
+        values = [v.full_tensor() if isinstance(v, DTensor) else v for v in values]
+        values.append(torch.tensor(float(x.numel())))
+        row = torch.stack([value.float().to(self.device) for value in values])
         if key in self.values:  # another micro-batch, or a recomputed forward: add up
             old = self.values[key]
             row = torch.cat([torch.maximum(old[:1], row[:1]), old[1:] + row[1:]])
         self.values[key] = row
+
+
+def _local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _is_fp8(tensor) -> bool:
+    local = _local(tensor)
+    return type(local) is not torch.Tensor and not isinstance(local, torch.nn.Parameter)
 
 
 def transformer_engine(args):
@@ -132,6 +156,7 @@ def transformer_engine(args):
             ("--fp8-recipe rowwise", args.fp8_recipe == "rowwise"),
             ("--fp8-emulate", args.fp8_emulate),
             ("--fp8-stats-every", args.fp8_stats_every > 0),  # they read torchao's layers
+            ("--fp8-layers", args.fp8_layers is not None),  # TE converts every layer FP8 can multiply
             ("--device cpu", args.device == "cpu"),  # TE computes on CUDA GPUs only
         ]
         if given
@@ -164,6 +189,89 @@ def transformer_engine(args):
 def fp8_able(linear, fqn=None) -> bool:
     """Whether FP8 can multiply by this layer's weight: both its dimensions must be multiples of 16."""
     return linear.in_features % 16 == 0 == linear.out_features % 16
+
+
+# Chapter 05's plan splits these layers by input feature under TP, every other linear of a block by output.
+SPLIT_BY_INPUT = ("o_proj", "down_proj")
+
+
+def local_linear(linear, fqn: str, tp_size: int) -> torch.nn.Linear:
+    """The matmul one GPU runs for this layer under TP: its slice of the weight (on the meta device)."""
+    out_features, in_features = linear.out_features, linear.in_features
+    if fqn.rpartition(".")[2] in SPLIT_BY_INPUT:
+        in_features //= tp_size
+    else:
+        out_features //= tp_size
+    return torch.nn.Linear(in_features, out_features, bias=False, device="meta")
+
+
+def fp8_filter(recipe: str, tp_size: int, fast_only: bool):
+    """`module_filter_fn` for torchao's conversion: an nn.Linear whose slice on each GPU FP8 can multiply,
+    and with `fast_only`, large enough for FP8 to be faster than bf16 by torchao's thresholds for the
+    recipe (measured on H100s): at Llama-3.1-8B's widths with --tp-size 8, tensorwise converts o, gate,
+    up and down but not q, k, v, and rowwise converts none."""
+    faster = _auto_filter_for_recipe(recipe, filter_fqns=[])
+
+    def keep(module, fqn: str) -> bool:
+        if type(module) is not torch.nn.Linear:
+            return False
+        local = local_linear(module, fqn, tp_size)
+        return faster(local, fqn) if fast_only else fp8_able(local)
+
+    return keep
+
+
+def fp8_summary(model, blocks, filtered: str) -> tuple[int, str]:
+    """How many of the blocks' matmul layers compute in FP8, and a line naming those that do not, by
+    why; `filtered` says why the filter left an nn.Linear out."""
+    in_fp8, total, kept = 0, 0, collections.defaultdict(set)
+    for block in blocks:
+        for name, module in block.named_modules():
+            if isinstance(module, Float8Linear) or type(module).__module__.startswith("transformer_engine"):
+                in_fp8 += 1
+            elif isinstance(module, torch.nn.Linear):
+                kept[filtered].add(name)
+            elif any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+                kept[f"not nn.Linear ({type(module).__name__})"].add(name)
+            else:
+                continue
+            total += 1
+    head = model.get_output_embeddings()
+    kept["the output layer"].add(next(n for n, m in model.named_modules() if m is head))
+    reasons = "; ".join(f"{why}: {', '.join(sorted(names))}" for why, names in kept.items())
+    return in_fp8, f"{in_fp8} of the blocks' {total} matmul layers compute in FP8; in high precision: {reasons}"
+
+
+def torchao_settings(args, device, use_compile: bool) -> bool:
+    """Refuses what torchao's FP8 kernels cannot run, sets what compiling them needs and which layers
+    go to FP8 (--fp8-layers), and returns whether to compile."""
+    if args.fp8_layers is None:  # emulation has no speed to lose: every layer FP8 can multiply shows its rounding
+        args.fp8_layers = "all" if args.fp8_emulate else "fast"
+    if args.fp8_stats_every and args.tp_size > 1 and args.fp8_recipe == "tensorwise" and device.type == "cuda":
+        raise SystemExit(
+            "error: --fp8-stats-every measures each tensor before its cast to FP8, but with --tp-size > 1 and "
+            "tensorwise scales the blocks' inputs reach their layers cast already (FP8 all-gathers): for "
+            "statistics, run with --fp8-recipe rowwise or --tp-size 1"
+        )
+    tokens = args.batch_size * args.seq_length
+    if tokens % 16:
+        # The weight's gradient multiplies over the micro-batch's tokens: torch._scaled_mm's inner
+        # dimension, which it takes in multiples of 16 only (the CPU's emulation checks nothing).
+        raise SystemExit(
+            f"error: FP8 matmuls need a multiple of 16 tokens per micro-batch: --batch-size {args.batch_size} "
+            f"x --seq-length {args.seq_length} is {tokens}; change one of them"
+        )
+    if args.fp8_emulate and device.type == "cuda" and use_compile:
+        # Inductor compiles the emulated casts to FP8 into Triton kernels, which need compute capability 8.9.
+        if args.compile:
+            raise SystemExit("error: --fp8-emulate on this GPU cannot be compiled (Triton casts to FP8 on "
+                             "compute capability 8.9 or newer only): pass --no-compile")
+        use_compile = False
+    if args.fp8_recipe == "rowwise" and use_compile:
+        # Inductor may fuse RMSNorm with the rowwise cast that follows it, skipping the rounding to bf16
+        # between them, and the scales come out wrong (NaNs): pytorch/pytorch#150859. Round as eager does.
+        torch._inductor.config.emulate_precision_casts = True
+    return use_compile
 
 
 def convert_to_te(blocks, te):

@@ -27,10 +27,14 @@ that does. The formulas are those the chapter READMEs teach; this is the one pla
 - The loss's backward, at its start (where a step's memory peaks, all activations still kept):
   the gradients of the log-softmax and of the logits, 8 more bytes per vocabulary entry per token.
 - Communication per step, bytes each GPU sends (ring collectives: (n-1)/n of the buffer): DDP
-  all-reduces the fp32 gradients (2x); FSDP all-gathers the weights twice (forward, backward) in the
-  compute dtype and reduce-scatters the fp32 gradients; TP all-gathers and reduce-scatters one
-  block-input-sized activation twice per block in forward and twice in backward. Time at best:
-  bytes over the link's bandwidth, NVLink inside a node, the network across nodes.
+  all-reduces the fp32 gradients (2x); FSDP all-gathers the weights in the compute dtype, twice
+  (forward, backward) but the output head's and the root's once (kept from forward to backward), and
+  reduce-scatters the fp32 gradients; TP all-gathers and reduce-scatters one block-input-sized
+  activation twice per block in forward and twice in backward, and once each for the embeddings and
+  the output head. With --fp8 (chapter 06, tensorwise), the weights of the block layers that go to
+  FP8 (those torchao finds faster at their slice, common/fp8.py) are all-gathered in 1 byte, and so
+  are TP's all-gathers of the inputs that feed only such layers, and of the gradients of their
+  outputs. Time at best: bytes over the link's bandwidth, NVLink inside a node, the network across nodes.
 
 The gradients are counted as held at the peak, though under FSDP they are mostly allocated after
 it, as backward frees the activations: a margin of up to 4 bytes per parameter per GPU.
@@ -46,6 +50,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+
+from common.fp8 import fp8_filter
 
 GIB = 2**30
 
@@ -66,11 +72,19 @@ def count(model_name: str) -> dict:
         model = AutoModelForCausalLM.from_config(config)
     names = set(model._no_split_modules or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
+    # Per --tp-size: the names of a block's linear layers that chapter 06 puts in FP8, and their weights.
+    fp8_layers = {}
+    for tp in [1, 2, 4, 8]:
+        keep = fp8_filter("tensorwise", tp, fast_only=True)
+        fp8_layers[tp] = {n.rpartition(".")[2]: m.weight.numel() for n, m in blocks[0].named_modules() if keep(m, n)}
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return {
         "params": sum(p.numel() for p in model.parameters()),
+        "embedding": model.get_input_embeddings().weight.numel(),
+        "tied": bool(config.tie_word_embeddings),
+        "fp8_layers": fp8_layers,
         "block_params": sum(p.numel() for p in blocks[0].parameters()),
         "layers": len(blocks),
         "hidden": config.hidden_size,
@@ -114,19 +128,30 @@ def plan(
     p, n, t = m["params"], layout.gpus, layout.tp
     shards = n if layout.sharded else 1
     dp = n // t
+    fp8_layers = m["fp8_layers"].get(t, {}) if fp8 else {}
+    fp8_block = sum(fp8_layers.values())  # a block's weights all-gathered in FP8
     # DDP copies the gradients into buckets of its own to all-reduce them: a second copy, kept.
     ddp_buckets = 4 * p if not layout.sharded and n > 1 else 0
     state = {"weights": 4 * p / shards, "gradients": 4 * p / shards + ddp_buckets, "optimizer": 8 * p / shards}
-    gathered = 2 * m["block_params"] / t * (1 if fp8 else compute_bytes) if layout.sharded else 0
+    gathered = 2 * (m["block_params"] * compute_bytes - fp8_block * (compute_bytes - 1)) / t if layout.sharded else 0
     tokens = batch_size * seq_length
     activations = activation_bytes(m, tokens, t, layout.checkpointing, compute_bytes, compiled)
     loss_backward = loss_backward_bytes(m, tokens, t)
     ring = (dp - 1) / dp if dp > 1 else 0
     if layout.sharded:
-        data_parallel = ring * p / t * (2 * (1 if fp8 else compute_bytes) + 4)
+        # Gathered twice: the blocks, and the embeddings when they are a unit of their own (untied).
+        twice = m["layers"] * m["block_params"] + (0 if m["tied"] else m["embedding"])
+        gathered_bytes = (2 * twice + (p - twice)) * compute_bytes - 2 * m["layers"] * fp8_block * (compute_bytes - 1)
+        data_parallel = ring * (gathered_bytes + 4 * p) / t
     else:
         data_parallel = ring * 2 * 4 * p
-    tensor_parallel = (t - 1) / t * 8 * m["layers"] * tokens * m["hidden"] * compute_bytes
+
+    def gather_bytes(*layers):  # FP8 when every layer the activation (or gradient) feeds is in FP8
+        return 1 if all(layer in fp8_layers for layer in layers) else compute_bytes
+
+    per_block = 4 * compute_bytes + gather_bytes("q_proj", "k_proj", "v_proj") + gather_bytes("gate_proj", "up_proj")
+    per_block += gather_bytes("o_proj") + gather_bytes("down_proj")
+    tensor_parallel = (t - 1) / t * tokens * m["hidden"] * (m["layers"] * per_block + 4 * compute_bytes)
     return {
         **state,
         "gathered": gathered,
@@ -191,6 +216,9 @@ def main(argv=None) -> None:
           f"{'' if args.compile else ', not compiled'}\n")  # fmt: skip
 
     result = plan(m, chosen, args.batch_size, args.seq_length, compute_bytes, args.fp8, args.compile)
+    if args.fp8:
+        fp8_layers = ", ".join(m["fp8_layers"][args.tp_size]) or "none (chapter 06 refuses the run)"
+        print(f"In FP8 (tensorwise, at tp {args.tp_size}): {fp8_layers} of each block\n")
     print(f"Per GPU, {'DDP' if args.ddp else 'FSDP'}, tp {args.tp_size}{', AC' if args.activation_checkpointing else ''}:")
     for key in ["weights", "gradients", "optimizer", "gathered", "activations", "loss backward", "total"]:
         print(f"  {key:<13} {result[key] / GIB:8.2f} GiB")

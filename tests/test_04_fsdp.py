@@ -50,14 +50,14 @@ def test_matches_ddp(ddp_run, fsdp_run):
 
 def test_gradient_accumulation_reduce_scatters_once_per_step(tmp_path, hf_home, fsdp_run):
     """2 ranks x 2 micro-batches of 2 rows equal 2 ranks x 4 rows. set_requires_gradient_sync keeps
-    FSDP from reduce-scattering after the first micro-batch: once per step for each of the 5 units
-    it shards (4 blocks and the root)."""
+    FSDP from reduce-scattering after the first micro-batch: once per step for each of the 7 units
+    it shards (the embeddings, 4 blocks, the output head and the root)."""
     probe = tmp_path / "reductions.jsonl"
     args = [*ARGS, "--batch-size", "2", "--grad-accum-steps", "2", "--save-dir", str(tmp_path)]
     run_chapter(CHAPTER, *args, nproc=2, hf_home=hf_home, faults={"PROBE_GRADIENT_REDUCTIONS": probe})
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(fsdp_run / CHAPTER))) <= 1e-5
     reduce_scatters = [json.loads(line)["reduce_scatters"] for line in probe.read_text().splitlines()]
-    assert reduce_scatters == [5] * STEPS, reduce_scatters
+    assert reduce_scatters == [7] * STEPS, reduce_scatters
 
 
 def test_compile_traces_every_block_with_no_recompiles(tmp_path, hf_home, fsdp_run):

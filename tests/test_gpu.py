@@ -6,12 +6,17 @@ with pytest-xdist running the independent groups of runs side by side:
 
     python -m pytest tests/test_gpu.py -v -rA -n 6 --dist loadgroup
 
-Each distributed chapter runs on every GPU present (`--nproc-per-node` = the GPU count).
+Each distributed chapter runs on every GPU present (`--nproc-per-node` = the GPU count). The runs
+side by side share the GPUs, so the tokens/s they print are contended; the throughput test runs each
+chapter alone, and only without xdist:
+
+    python -m pytest tests/test_gpu.py -v -rA -k throughput
 """
 
 import importlib.util
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -23,9 +28,12 @@ STEPS = 60
 WARMUP_STEPS = 10  # compile's first steps; after them nothing may compile again
 # The defaults users get (bf16, compile), logged every step so that losses compare step by step.
 GPU_ARGS = ["--max-steps", str(STEPS), "--log-freq", "1", "--ckpt-freq", str(STEPS // 2)]
-# Chapter 05 with its default --tp-size 1 (one GPU is enough); chapter 06 with real FP8 matmuls.
+# Chapter 05 with its default --tp-size 1 (one GPU is enough); chapter 06 with real FP8 matmuls, in
+# every layer (the tiny default's are far too small for --fp8-layers fast, FP8 hardware's default).
 CHAPTERS = ["01-single-gpu", "02-multi-gpu", "03-multi-node", "04-fsdp", "05-tensor-parallel", "06-fp8"]
+CHAPTER_ARGS = {"06-fp8": ["--fp8-layers", "all"]}
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+TWO_GPUS = torch.cuda.device_count() >= 2
 TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
 
 
@@ -37,6 +45,7 @@ def gpu_run(chapter, save_dir, hf_home, *args, faults=None, check=True):
     proc = run_chapter(
         chapter,
         *GPU_ARGS,
+        *CHAPTER_ARGS.get(chapter, []),
         *args,
         "--save-dir",
         str(save_dir),
@@ -145,3 +154,51 @@ def test_transformer_engine_backend_trains_and_resumes_on_gpu(tmp_path, hf_home)
     assert metrics[STEPS]["loss"] < 0.5 * UNIFORM_LOSS and all(math.isfinite(loss) for loss in losses(exp_dir))
     counts = compile_counts(probe)
     assert counts[0] > 0 and counts[-1] == counts[WARMUP_STEPS - 1], f"frames per step {counts}"
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="tensor parallel needs 2 GPUs or more")
+@pytest.mark.parametrize(
+    "chapter, args",
+    [
+        pytest.param("05-tensor-parallel", [], marks=pytest.mark.xdist_group("05-tp")),
+        pytest.param("06-fp8", ["--fp8-recipe", "tensorwise"], marks=pytest.mark.xdist_group("06-tp-tensorwise")),
+        pytest.param("06-fp8", ["--fp8-recipe", "rowwise"], marks=pytest.mark.xdist_group("06-tp-rowwise")),
+    ],
+    ids=["05", "06-tensorwise", "06-rowwise"],
+)
+def test_tensor_parallel_on_gpus(chapter, args, tmp_path, hf_home):
+    """--tp-size 2 on NCCL, compiled: DTensor inside inductor's graphs, and for chapter 06 tensorwise,
+    torchao's float8 TP styles (FP8 all-gathers, which the CPU suite cannot run on gloo)."""
+    if chapter == "06-fp8" and not FP8_GPU:
+        pytest.skip("chapter 06 needs FP8 matmuls (compute capability 8.9+)")
+    _, exp_dir, probe = gpu_run(chapter, tmp_path, hf_home, "--tp-size", "2", *args)
+    metrics = read_metrics(exp_dir)
+    print(f"\n{chapter} --tp-size 2 {' '.join(args)}: loss {metrics[1]['loss']:.3f} -> {metrics[STEPS]['loss']:.3f}")
+    assert abs(metrics[1]["loss"] - UNIFORM_LOSS) < 0.3 and metrics[STEPS]["loss"] < 0.5 * UNIFORM_LOSS
+    assert all(math.isfinite(loss) for loss in losses(exp_dir))
+    counts = compile_counts(probe)
+    assert counts[0] > 0 and counts[-1] == counts[WARMUP_STEPS - 1], f"frames per step {counts}"
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="needs FP8 matmuls (compute capability 8.9+)")
+@pytest.mark.xdist_group("06-rowwise")
+def test_rowwise_fp8_on_gpu(tmp_path, hf_home):
+    """Rowwise scales on FSDP, compiled with inductor (emulate_precision_casts set: pytorch#150859)."""
+    _, exp_dir, probe = gpu_run("06-fp8", tmp_path, hf_home, "--fp8-recipe", "rowwise")
+    metrics = read_metrics(exp_dir)
+    assert metrics[STEPS]["loss"] < 0.5 * UNIFORM_LOSS and all(math.isfinite(loss) for loss in losses(exp_dir))
+    counts = compile_counts(probe)
+    assert counts[0] > 0 and counts[-1] == counts[WARMUP_STEPS - 1], f"frames per step {counts}"
+
+
+@pytest.mark.skipif("PYTEST_XDIST_WORKER" in os.environ, reason="measures throughput: run alone, without -n")
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_throughput_alone(chapter, tmp_path, hf_home):
+    """Each chapter with the GPUs to itself: the tokens/s and MFU printed here are not contended."""
+    if chapter == "06-fp8" and not FP8_GPU:
+        pytest.skip("chapter 06 needs FP8 matmuls (compute capability 8.9+)")
+    _, exp_dir, _ = gpu_run(chapter, tmp_path, hf_home)
+    metrics = read_metrics(exp_dir)[STEPS]
+    print(f"\n{chapter} alone: {metrics['tokens_per_s']:,.0f} tokens/s, MFU {metrics['mfu']:.2%}, "
+          f"peak {metrics['memory/peak_allocated_gib']:.2f} GiB")  # fmt: skip
+    assert metrics["tokens_per_s"] > 0

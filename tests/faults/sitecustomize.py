@@ -10,22 +10,25 @@ FAULT_NAN_AT_STEP=N             after the N-th optimizer step of rank FAULT_RANK
 FAULT_SIGNAL_AT_STEP=N          in the N-th optimizer step of rank FAULT_RANK, send FAULT_SIGNAL (default
                                 TERM) to this process, or with FAULT_SIGNAL_PARENT=1 to its parent
                                 (torchrun): as a scheduler would, at a step boundary that tests can name.
-FAULT_FP8_SCALE=F               every cast to FP8 (torchao float8) multiplies by F x the scale it was
-                                given, and the FP8 tensor keeps the given scale to divide by: each FP8
-                                operand of every matmul comes back F times too large (with F > 1, values
-                                above amax / F clamp at FP8's largest value, which comes back as the amax).
+FAULT_FP8_SCALE=F               every FP8 scale torchao computes is F x the right one: in amax_to_scale (inputs,
+                                output gradients, weights cast one by one) and in the weight scales
+                                precompute_float8_dynamic_scale_for_fsdp sets for FSDP's FP8 all-gathers. The FP8
+                                tensor keeps that scale, so with F > 1 every value above amax / F clamps.
 
 A fault strikes once: when torchrun restarts the workers (TORCHELASTIC_RESTART_COUNT > 0), none is armed.
 
 Probes, which change nothing the script computes:
 
 PROBE_COMPILE_COUNTS=path       after every optimizer step of rank 0, append to `path` a JSON line
-                                with the frames dynamo has looked at so far and the graphs it has
-                                compiled (a recompile adds a graph).
+                                with the frames dynamo has looked at so far, the graphs it has
+                                compiled (a recompile adds a graph) and its graph breaks.
 PROBE_STATE_BYTES=path          at the first optimizer step of rank 0, write to `path` a JSON object
                                 with the bytes of its weights, gradients (DDP's all-reduce buckets
                                 included) and AdamW's moments: each storage once, a sharded tensor
                                 (DTensor) by its local piece. What python -m common.plan predicts.
+PROBE_SCALED_MM_SHAPES=1        every emulated FP8 matmul (torchao, --fp8-emulate) first runs torch._scaled_mm
+                                on meta tensors of its operands: fails where an H100's kernel would, on shapes
+                                (scaled_mm_shapes.py).
 PROBE_COMPILE_BACKEND=eager     torch.compile traces with dynamo as usual, then runs the traced graphs
                                 as they are instead of generating kernels: what was traced, and how
                                 often, is the same, in seconds instead of minutes on a small CPU.
@@ -135,23 +138,27 @@ if _step_fault and _first_attempt and _this_rank:
     torch.optim.AdamW.step = _step_or_fail
 
 if "FAULT_FP8_SCALE" in os.environ and _first_attempt:
-    # torchao's one constructor of FP8 tensors: every input, weight and output gradient, tensorwise or
-    # rowwise, FSDP's FP8 all-gather included, is cast there.
-    from torch.distributed.tensor import DTensor
-    from torchao.float8.float8_training_tensor import _ToFloat8ConstrFunc
+    # The two places torchao computes a scale from an amax; the chapter imports the second by name
+    # after this runs, so replacing it in torchao.float8 is enough.
+    import torchao.float8
+    from torchao.float8 import float8_utils
 
     _fp8_scale_factor = float(os.environ["FAULT_FP8_SCALE"])
-    _to_float8 = _ToFloat8ConstrFunc.forward
+    _amax_to_scale = float8_utils.amax_to_scale
+    _precompute = torchao.float8.precompute_float8_dynamic_scale_for_fsdp
 
-    def _to_float8_with_wrong_scale(ctx, tensor, scale, *args, **kwargs):
-        float8_tensor = _to_float8(ctx, tensor, scale * _fp8_scale_factor, *args, **kwargs)
-        if isinstance(float8_tensor, DTensor):
-            float8_tensor._local_tensor._scale = scale.to_local()
-        else:
-            float8_tensor._scale = scale
-        return float8_tensor
+    def _wrong_amax_to_scale(*args, **kwargs):
+        return _amax_to_scale(*args, **kwargs) * _fp8_scale_factor
 
-    _ToFloat8ConstrFunc.forward = staticmethod(_to_float8_with_wrong_scale)
+    def _wrong_precompute(module):
+        _precompute(module)
+        for parameter in module.parameters():
+            local = getattr(parameter, "_local_tensor", None)
+            if getattr(local, "_precomputed_scale", None) is not None:
+                local._precomputed_scale = local._precomputed_scale * _fp8_scale_factor
+
+    float8_utils.amax_to_scale = _wrong_amax_to_scale
+    torchao.float8.precompute_float8_dynamic_scale_for_fsdp = _wrong_precompute
 
 if "PROBE_COMPILE_COUNTS" in os.environ and os.environ.get("RANK", "0") == "0":
     import json
@@ -166,11 +173,23 @@ if "PROBE_COMPILE_COUNTS" in os.environ and os.environ.get("RANK", "0") == "0":
         result = _probed_step(self, *args, **kwargs)
         with open(_probe_path, "a") as f:
             f.write(
-                json.dumps({"frames": counters["frames"]["total"], "graphs": counters["stats"]["unique_graphs"]}) + "\n"
+                json.dumps(
+                    {
+                        "frames": counters["frames"]["total"],
+                        "graphs": counters["stats"]["unique_graphs"],
+                        "graph_breaks": sum(counters["graph_break"].values()),
+                    }
+                )
+                + "\n"
             )
         return result
 
     torch.optim.AdamW.step = _step_and_count
+
+if "PROBE_SCALED_MM_SHAPES" in os.environ:
+    import scaled_mm_shapes
+
+    scaled_mm_shapes.install()
 
 if "PROBE_COMPILE_BACKEND" in os.environ:
     import functools

@@ -1,0 +1,215 @@
+"""Chapters 05 and 06 at the layouts they will run at on a cluster, built in one process.
+
+PyTorch's `fake` process-group backend lets this process play rank 0 of a job of 16 or 32 ranks:
+every collective returns at once (with meaningless values), but the chapters' own code runs as it
+would there: chapter 06's FP8 conversion, `apply_tp` and `apply_fsdp` on the real (dp, tp) mesh, the
+float8 TP styles (which gloo cannot run), forward and backward compiled as on a GPU (`aot_eager`
+traces what inductor would compile). Its model has Llama-3.1-8B's widths (hidden 4096, 32 heads, 8
+key/value heads, MLP 14336) and 2 blocks, so that torchao's thresholds choose its FP8 layers as
+they would for the real model, and a small vocabulary. What is checked: the local shapes of every
+weight and gradient, zero graph breaks, the collectives of a step by kind, group and bytes, FP8
+bytes where FP8 is all-gathered, and the bytes against what `python -m common.plan` predicts.
+"""
+
+import collections
+import importlib.util
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import REPO
+
+BATCH, SEQ, VOCAB = 1, 256, 4096
+
+
+def load(chapter):
+    spec = importlib.util.spec_from_file_location(f"layouts_{chapter[:2]}", REPO / chapter / "train_llm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Collectives(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records each collective of a step: its kind, the size of its group, and the bytes this rank
+    sends in a ring (all-gather: (n-1) x its input; reduce-scatter: (n-1)/n of its input; all-reduce:
+    twice that). And the shape of the embedding's gradient as its backward makes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent = collections.Counter()  # (kind, group size, bytes per element) -> bytes sent
+        self.calls = collections.Counter()  # (kind, group size, bytes per element) -> count
+        self.embedding_gradient = None
+        self.order = []  # (kind, group size, elements of the full buffer), as issued
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func is torch.ops.aten.embedding_dense_backward.default:
+            self.embedding_gradient = func(*args, **(kwargs or {}))
+            return self.embedding_gradient
+        if func.namespace in ("_c10d_functional", "c10d") and name != "wait_tensor" and name != "_wrap_tensor_autograd":
+            if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):  # TP, traced by DTensor
+                tensor, n = args[0], args[1] if name == "all_gather_into_tensor" else args[2]
+                kind = "all_gather" if name == "all_gather_into_tensor" else "reduce_scatter"
+            elif name == "all_reduce":
+                tensor, kind = args[0], "all_reduce"
+                n = dist.distributed_c10d._resolve_process_group(args[2]).size()
+            elif name == "_allgather_base_":  # FSDP: (output, input, group)
+                tensor, kind, n = args[1], "all_gather", args[0].numel() // args[1].numel()
+            elif name == "_reduce_scatter_base_":
+                tensor, kind, n = args[1], "reduce_scatter", args[1].numel() // args[0].numel()
+            else:
+                raise AssertionError(f"a collective this test does not count: {func}")
+            data = getattr(tensor, "_data", tensor)  # an FP8 tensor's bytes are its data's
+            size = data.numel() * data.element_size()
+            sent = {"all_gather": (n - 1) * size, "reduce_scatter": (n - 1) / n * size}.get(kind, 2 * (n - 1) / n * size)
+            key = (kind, n, data.element_size())
+            self.sent[key] += sent
+            self.calls[key] += 1
+            self.order.append((kind, n, data.numel() * (n if kind == "all_gather" else 1)))
+        return func(*args, **(kwargs or {}))
+
+
+def config_8b_widths():
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(REPO / "common" / "model_shapes" / "llama-3.1-8b")
+    config.num_hidden_layers, config.vocab_size, config.max_position_embeddings = 2, VOCAB, SEQ
+    return config
+
+
+@pytest.fixture
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def init(world_size):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+    yield init
+    dist.destroy_process_group()
+    torch._dynamo.reset()
+
+
+def build(chapter, config, dp, tp):
+    """The model as the chapter builds it on rank 0 of dp x tp ranks, its local weights random."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+    from transformers import AutoModelForCausalLM
+
+    from common import transformer_blocks
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    blocks = transformer_blocks(model)
+    if hasattr(chapter, "apply_float8"):
+        args = chapter.get_parser().parse_args(["--tp-size", str(tp), "--fp8-emulate", "--fp8-layers", "fast"])
+        chapter.apply_float8(blocks, args, fp8_all_gather=True)
+        chapter.apply_tp(model, blocks, mesh["tp"], fp8_all_gather=True)  # the float8 styles, as on GPUs
+    else:
+        chapter.apply_tp(model, blocks, mesh["tp"])
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    chapter.apply_fsdp(model, blocks, mesh["dp"], mp_policy, OffloadPolicy())
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(std=0.02)
+        for name, buffer in type(model.model.rotary_emb)(config).named_buffers():
+            setattr(model.model.rotary_emb, name, buffer)
+    return model, blocks
+
+
+def train_step(chapter, model, fp8):
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    input_ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    with loss_parallel():
+        loss = chapter.next_token_loss(model(input_ids=input_ids, use_cache=False).logits, input_ids)
+        loss.backward()
+    if fp8:
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+@pytest.mark.parametrize(
+    "chapter_name, dp, tp",
+    [("05-tensor-parallel", 2, 8), ("06-fp8", 2, 8), ("06-fp8", 4, 8)],
+    ids=["05-2x8", "06-2x8", "06-4x8"],
+)
+def test_a_cluster_layout_built_on_one_cpu(chapter_name, dp, tp, fake_world, tmp_path):
+    from torch._dynamo.utils import counters
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from common.plan import Layout, count, plan
+
+    fake_world(dp * tp)
+    chapter, fp8 = load(chapter_name), chapter_name == "06-fp8"
+    config = config_8b_widths()
+    model, blocks = build(chapter, config, dp, tp)
+    if fp8:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)  # as the chapter does after loading
+
+    # Compiled as on GPUs: every block whole (fullgraph), no graph break, and the second step traces nothing new.
+    counters.clear()
+    for block in blocks:
+        block.compile(backend="aot_eager", fullgraph=True)
+    train_step(chapter, model, fp8)
+    graphs = counters["stats"]["unique_graphs"]
+    train_step(chapter, model, fp8)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == graphs <= 2
+
+    # Every weight and its gradient: split over tp as the plan says, then sharded over dp by FSDP.
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("dp", "tp"), name
+        tp_split = param.placements[1]
+        split_by_input = name.endswith(("o_proj.weight", "down_proj.weight"))
+        expected_tp = Replicate() if "norm" in name else Shard(1) if split_by_input else Shard(0)
+        # FSDP shards dim 0 of the tp slice (a strided shard where tp split dim 0 too).
+        assert param.placements[0].dim == 0 and param.placements[1] == expected_tp, name
+        split = dp * (tp if isinstance(tp_split, Shard) else 1)
+        assert param.to_local().numel() == pytest.approx(param.numel() / split, rel=0.01), name
+        assert param.grad.placements == param.placements and param.grad.to_local().shape == param.to_local().shape, name
+
+    # The collectives of a step, counted eagerly (a dispatch mode cannot watch compiled code run):
+    # the same as compiled, and no more in the second step than in the first.
+    torch.compiler.set_stance("force_eager")
+    try:
+        steps = []
+        for _ in range(2):
+            with Collectives() as collectives:
+                train_step(chapter, model, fp8)
+            steps.append(collectives)
+    finally:
+        torch.compiler.set_stance("default")
+    assert steps[1].calls == steps[0].calls
+    collectives = steps[0]
+    sent_dp = sum(b for (kind, n, size), b in collectives.sent.items() if n == dp)
+    sent_tp = sum(b for (kind, n, size), b in collectives.sent.items() if n == tp)
+    assert sent_dp + sent_tp == sum(collectives.sent.values())
+    # FSDP reduces gradients by reduce-scatter; FP8 weight scales were precomputed, all in one all-reduce
+    # outside the step (without it, FSDP would all-reduce each weight's amax before gathering it).
+    assert not [key for key in collectives.calls if key[:2] == ("all_reduce", dp)], collectives.calls
+    # FSDP's units reduce their gradients as backward reaches them: the output head's first, overlapped
+    # with the blocks' backward; after it only the root's (the final norm) and the embeddings' (the
+    # last gradient backward makes). In the root, the head's would have come last with theirs.
+    reductions = [numel for kind, n, numel in collectives.order if (kind, n) == ("reduce_scatter", dp)]
+    units = [model.lm_head, model.model.norm, model.model.embed_tokens]
+    head, norm, embedding = (unit.weight.to_local().numel() * dp for unit in units)
+    assert reductions[0] == head and reductions[-2:] == [norm, embedding], reductions
+    # DTensor has no strategy to make the embedding's gradient split over the vocabulary, as its weight
+    # is: each tp rank makes the full vocab x hidden gradient, and FSDP keeps its slice (README, chapter 05).
+    assert collectives.embedding_gradient.shape == (VOCAB, config.hidden_size)
+    fp8_gathers = {key: calls for key, calls in collectives.calls.items() if key[0] == "all_gather" and key[2] == 1}
+    if fp8:
+        # TP gathers the MLP's input (gate and up are in FP8) in forward, and o's and down's output
+        # gradients in backward, in FP8: 3 per block. FSDP's gathers of the blocks mix FP8 and fp32 (as bytes).
+        assert fp8_gathers == {("all_gather", tp, 1): 3 * 2, ("all_gather", dp, 1): 2 * 2}, collectives.calls
+    else:
+        assert not fp8_gathers
+
+    # What the planner predicts for this layout, from the same config.
+    config.save_pretrained(tmp_path)
+    planned = plan(count(str(tmp_path)), Layout("asked", dp * tp, tp), BATCH, SEQ, compute_bytes=4, fp8=fp8)
+    assert sent_dp == pytest.approx(planned["sent_dp"], rel=0.01)
+    assert sent_tp == pytest.approx(planned["sent_tp"], rel=0.01)
