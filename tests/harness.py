@@ -231,5 +231,6 @@ def compiled_graphs(chapter: str, tmp_path: Path, hf_home: Path, *args: str, npr
     faults = {"PROBE_COMPILE_COUNTS": probe, "PROBE_COMPILE_BACKEND": "eager"}
     run_chapter(chapter, "--compile", *args, "--save-dir", str(tmp_path), nproc=nproc, hf_home=hf_home, faults=faults)
     counts = [json.loads(line) for line in probe.read_text().splitlines()]
-    assert not any(count["graph_breaks"] for count in counts), counts  # the chapters compile blocks whole
+    if chapter >= "04":  # from chapter 04 on, each block compiles whole (fullgraph): never a break
+        assert not any(count["graph_breaks"] for count in counts), counts
     return [count["graphs"] for count in counts]
