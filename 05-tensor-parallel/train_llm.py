@@ -34,9 +34,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -205,8 +206,12 @@ def main():
     # Buffers outside the state dict (Llama's rotary frequencies) are not sent: send them too, to
     # the device, where the model computes (with --cpu-offload, to_empty left them on the CPU).
     for name, buffer in model.named_buffers():
-        value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty_like(buffer, device=device)
+        # TP replicated some over the tp ranks (Gemma's embedding scale): sent as plain tensors, and kept so.
+        local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
+        value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty_like(local, device=device)
         dist.broadcast(value, src=0)
+        if isinstance(buffer, DTensor):
+            value = DTensor.from_local(value, buffer.device_mesh, buffer.placements, run_check=False)
         module_name, _, buffer_name = name.rpartition(".")
         setattr(model.get_submodule(module_name), buffer_name, value)
     del full_model
@@ -442,7 +447,8 @@ def apply_tp(model, blocks, tp_mesh):
     a slice of the MLP), o and down by input row: their partial sums are reduce-scattered over the
     tokens, and the norms and residual adds between them run on 1/tp of the tokens.
     Before attention and the MLP, the tokens are all-gathered again. The plan names Llama's modules
-    (Mistral, Qwen and others share them); HF passes attention its input by keyword.
+    (Mistral, Qwen and others share them) and the norms other families add; HF passes attention its
+    input by keyword.
     """
     root_plan = {
         # The embedding's output is the first residual stream: split over the tokens. It stays a
@@ -455,7 +461,6 @@ def apply_tp(model, blocks, tp_mesh):
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
     block_plan = {
-        "input_layernorm": SequenceParallel(),
         "self_attn": PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
         ),
@@ -473,13 +478,53 @@ def apply_tp(model, blocks, tp_mesh):
     # layout would train with some layers unsplit.
     missing = [n for n in root_plan if not _has(model, n)] + [n for n in block_plan if not _has(blocks[0], n)]
     if missing:
-        raise SystemExit(f"error: --tp-size: apply_tp's plan is for Llama-style models; this one has no {missing}")
+        raise SystemExit(f"error: --tp-size: apply_tp's plan is for Llama-style blocks (see README); this one has no {missing}")
+    # The norms around attention and the MLP, wherever a family puts them (OLMo 2 has no input norm,
+    # Gemma 3 two more), on 1/tp of the tokens like Llama's.
+    for norm in ["input_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"]:
+        if _has(blocks[0], norm):
+            block_plan[norm] = SequenceParallel()
+    # Norms of each head's queries and keys (Qwen3, Gemma 3): each rank normalizes its own heads
+    # (dim 2 of their input), with the whole weight; SequenceParallel does that for any dim.
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # Over all heads at once (OLMo 2), the ranks hold slices of the normalized width: SplitNorm.
+    for norm in ["self_attn.q_norm", "self_attn.k_norm"]:
+        if _has(blocks[0], norm) and blocks[0].get_submodule(norm).weight.numel() == head_dim:
+            block_plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        elif _has(blocks[0], norm):
+            block_plan[norm] = SplitNorm()
+    # Any other module with weights would stay outside the tp mesh, and fail at the first step.
+    in_blocks = {id(m) for block in blocks for m in block.modules()}
+    unknown = [n for n, m in model.named_modules() if _weighs(m) and id(m) not in in_blocks and n not in root_plan]
+    unknown += [n for n, m in blocks[0].named_modules() if _weighs(m) and n not in block_plan]
+    if unknown:
+        raise SystemExit(f"error: --tp-size: apply_tp's plan does not know these modules of the model: {unknown}")
     parallelize_module(model, tp_mesh, root_plan)
     for block in blocks:
         parallelize_module(block, tp_mesh, block_plan)
     if model.config.tie_word_embeddings:
         # Both were split over the vocabulary (dim 0) alike, but into two new parameters: tie them again.
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+class SplitNorm(ParallelStyle):
+    """A norm over the last dimension of an input that the tp ranks split (the columns of q or k): its
+    weight split alike, and its mean of squares over the whole width, which DTensor all-reduces."""
+
+    def _apply(self, module, mesh):
+        def split_weight(name, module, mesh):
+            for key, param in list(module.named_parameters(recurse=False)):
+                module.register_parameter(key, torch.nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+        def split_input(module, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, [Shard(x.dim() - 1)], run_check=False) for x in inputs)
+
+        return distribute_module(module, mesh, split_weight, split_input, lambda module, output, mesh: output.to_local())
+
+
+def _weighs(module) -> bool:
+    return next(module.parameters(recurse=False), None) is not None
 
 
 def _has(module, name) -> bool:

@@ -1,0 +1,107 @@
+"""Tiny models of several families, from transformers' own config classes, for the tests of chapters
+05 and 06 (test_model_families.py). Run under torchrun on 2 ranks (gloo, fp32), it trains each family
+for 3 steps with chapter 04's FSDP, and those named on the command line with chapter 05's FSDP x TP
+(tp 2) too, through the chapters' own apply_fsdp and apply_tp; rank 0 prints the losses as JSON."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 512
+WIDTHS = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+)  # fmt: skip
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, {}),
+    "mistral": (transformers.MistralConfig, {}),
+    "qwen2": (transformers.Qwen2Config, {}),  # biases on q, k, v
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 16}),  # per-head q and k norms
+    "gemma3_text": (transformers.Gemma3TextConfig, {"head_dim": 16}),  # 4 norms per block, scaled embedding, tied
+    "olmo2": (transformers.Olmo2Config, {}),  # norms after attention and the MLP, q and k norms over all heads
+    "phi3": (transformers.Phi3Config, {}),  # fused q/k/v and gate/up
+    "gpt2": (transformers.GPT2Config, {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}),  # Conv1D
+    "qwen2_moe": (transformers.Qwen2MoeConfig, {"moe_intermediate_size": 32, "num_experts": 4}),  # experts
+}
+
+
+def config(family):
+    cls, extra = FAMILIES[family]
+    return cls(**{**WIDTHS, **extra})
+
+
+def load(chapter):
+    spec = importlib.util.spec_from_file_location(f"families_{chapter[:2]}", REPO / chapter / "train_llm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train(family, mesh, tp):
+    """3 AdamW steps of 2 rows x 64 tokens per replica, from the same weights; the losses."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from common import transformer_blocks
+
+    torch.manual_seed(0)
+    full = transformers.AutoModelForCausalLM.from_config(config(family), dtype=torch.float32)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config(family), dtype=torch.float32)
+    blocks = transformer_blocks(model)
+    chapter = load("05-tensor-parallel" if tp > 1 else "04-fsdp")
+    if tp > 1:
+        chapter.apply_tp(model, blocks, mesh["tp"])
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    chapter.apply_fsdp(model, blocks, mesh["dp"] if tp > 1 else mesh, mp_policy, OffloadPolicy())
+    model.to_empty(device="cpu")
+    set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
+    for name, buffer in model.named_buffers():  # as the chapters do, for buffers TP made DTensors too
+        value = full.get_buffer(name)
+        if isinstance(buffer, DTensor):
+            value = DTensor.from_local(value, buffer.device_mesh, buffer.placements, run_check=False)
+        module_name, _, buffer_name = name.rpartition(".")
+        setattr(model.get_submodule(module_name), buffer_name, value)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        rows = torch.randint(0, VOCAB, (4, 64), generator=generator)
+        dp_rank, dp_size = (mesh["dp"].get_local_rank(), mesh["dp"].size()) if tp > 1 else (mesh.get_local_rank(), 2)
+        batch = rows[dp_rank * 4 // dp_size : (dp_rank + 1) * 4 // dp_size]
+        with loss_parallel():
+            loss = load_loss()(model(input_ids=batch, use_cache=False).logits, batch)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / 2)
+    return losses
+
+
+def load_loss():
+    return load("05-tensor-parallel").next_token_loss
+
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    results = {}
+    for family in FAMILIES:  # every family through chapter 04; those chapter 05 supports through it too
+        results[family] = {"fsdp": train(family, init_device_mesh("cpu", (2,)), tp=1)}
+        if family in sys.argv[1:]:
+            results[family]["tp"] = train(family, init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")), tp=2)
+    if dist.get_rank() == 0:
+        print(json.dumps(results))
+    dist.destroy_process_group()
