@@ -199,11 +199,11 @@ def main():
     torch.manual_seed(args.seed)
     full_model = None
     try:
-        # A phase of rank 0 alone (a first run downloads the weights): the other ranks wait for it, for
-        # at most --dist-timeout. Raise it, or download first, for big models.
+        # A phase of rank 0 alone (a first run downloads the weights): the other ranks wait for it on
+        # the job's store, for as long as it takes (rank0_first), not in a collective.
         with rank0_first():
             if rank == 0 and args.from_pretrained:
-                logger.info(f"Loading {args.model_name}; the other ranks wait up to {args.dist_timeout:g} min")
+                logger.info(f"Loading {args.model_name}; the other ranks wait for it")
                 full_model = AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
             elif rank == 0:
                 full_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

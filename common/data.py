@@ -1,11 +1,12 @@
 """Loading a text dataset, packing it into fixed-length rows, and holding some rows out for validation."""
 
-import itertools
 import math
 import os
 from pathlib import Path
 
 import datasets
+import numpy as np
+import torch
 
 # The embedded default: a small generated task dataset (see common/make_tiny_default.py), loaded
 # through the same calls as a Hub name.
@@ -20,7 +21,9 @@ def load_and_pack(dataset_name: str, tokenizer, seq_length: int, val_fraction: f
     `dataset_name` is a Hub name (`tatsu-lab/alpaca`), a local folder of json/jsonl/parquet/csv/txt
     files, or one such file: `datasets.load_dataset` takes them all. Each document ends with EOS and
     documents are concatenated, so no token is spent on padding. Results are cached by `datasets`
-    (keyed by the data, the tokenizer and `seq_length`), so a second run skips the work.
+    (keyed by the data, the tokenizer and `seq_length`), so a second run skips the work. The cache
+    holds the packed rows alone, as int32: 4 bytes per token. Rows come out as int64 tensors, with
+    `labels` the same tensor as `input_ids` (the model shifts them), made as they are read.
 
     Returns (train rows, validation rows). Validation is the dataset's own `validation` (or `test`)
     split when it has one; otherwise the last `val_fraction` of the packed rows, which training then
@@ -80,34 +83,35 @@ def _pack(data, split, dataset_name, tokenizer, seq_length):
     # A worker process costs about a second to start: only big datasets are worth several.
     num_proc = max(1, min(cores, len(data) // 50_000)) if cores else 1
 
-    def tokenize(batch, indices):
+    def tokenize_and_pack(batch, indices):
         for text, index in zip(batch["text"], indices):
             if text is None:
                 raise ValueError(f"row {index} of its {split} split has no text (null)")
-        ids = tokenizer(batch["text"])["input_ids"]
-        return {"input_ids": [doc + [tokenizer.eos_token_id] for doc in ids]}
-
-    def pack(batch):
-        stream = list(itertools.chain.from_iterable(batch["input_ids"]))
+        docs = tokenizer(batch["text"])["input_ids"]
+        stream = np.fromiter((t for doc in docs for t in (*doc, tokenizer.eos_token_id)), dtype=np.int32)
         # The tail shorter than seq_length (at most one row per 1000 documents) is dropped.
-        rows = [stream[i : i + seq_length] for i in range(0, len(stream) - seq_length + 1, seq_length)]
-        return {"input_ids": rows, "labels": rows}
+        return {"input_ids": stream[: len(stream) // seq_length * seq_length].reshape(-1, seq_length)}
 
     try:
         data = data.map(
-            tokenize,
+            tokenize_and_pack,
             batched=True,
             with_indices=True,
             remove_columns=data.column_names,
+            features=datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"), length=seq_length)}),
             num_proc=num_proc,
-            desc=f"Tokenizing {split}",
+            desc=f"Tokenizing and packing {split} into rows of {seq_length} tokens",
         )
     except ValueError as err:
         raise SystemExit(f"error: {flag}: {str(err).splitlines()[0]}") from None
-    data = data.map(pack, batched=True, num_proc=num_proc, desc=f"Packing {split} into rows of {seq_length} tokens")
     if len(data) == 0:
         raise SystemExit(f"error: {flag}: its {split} split has fewer than --seq-length {seq_length} tokens")
-    return data.with_format("torch")
+    return data.with_transform(_rows)
+
+
+def _rows(batch: dict) -> dict:
+    input_ids = torch.tensor(np.asarray(batch["input_ids"]), dtype=torch.long)
+    return {"input_ids": input_ids, "labels": input_ids}
 
 
 def _first_line(err: BaseException) -> str:

@@ -1,6 +1,7 @@
 """Helpers that every chapter uses unchanged: logging, errors, signals, timers, memory, FLOPs, metrics, LR."""
 
 import functools
+import itertools
 import json
 import logging
 import math
@@ -43,34 +44,43 @@ def setup_logging(prefix: str = "", level: int = logging.INFO) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+_phases = itertools.count()  # every rank enters the same rank0_first phases in the same order
+
+
 @contextmanager
 def rank0_first(local: bool = False):
     """Rank 0 runs the block first (downloads, tokenizes, fills the caches), then the other ranks run
     it and find everything cached. Without it, every rank would download and tokenize at once.
 
     With `local=True`, local rank 0 of every node goes first: for caches on each node's own disk.
-    If the first ranks stop with an error (a bad --dataset-name, say), the waiting ranks stop with
-    the same message instead of dying of a closed connection: every rank reports what went wrong.
+    The others wait for as long as it takes, not for --dist-timeout: preparing a large corpus takes
+    hours, and a collective would time out. They wait on the job's key-value store (torchrun's), which
+    no timeout ends, and say every 10 minutes what they wait for; if the first rank dies, torchrun
+    stops them. If it stops with an error (a bad --dataset-name, say), the waiting ranks stop with the
+    same message instead of waiting on: every rank reports what went wrong.
     """
-    first = int(os.environ["LOCAL_RANK"]) == 0 if local else dist.get_rank() == 0
-    if first:
+    store = dist.distributed_c10d._get_default_store()
+    rank, local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
+    first = rank - local_rank if local else 0  # the rank that goes first for this one
+    key = f"rank0_first/{next(_phases)}/{first}"
+    if rank == first:
         try:
             yield
         except SystemExit as exit:
-            _raise_if_any_failed(str(exit.code))
+            store.set(key, f"error:{exit.code}")
             raise
-        _raise_if_any_failed(None)
-    else:
-        _raise_if_any_failed(None)
-        yield
-
-
-def _raise_if_any_failed(error: str | None) -> None:
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = next((e for e in errors if e is not None), None)
-    if failed is not None and error is None:
-        raise SystemExit(failed)
+        store.set(key, "done")
+        return
+    start, report = time.monotonic(), 600
+    while not store.check([key]):
+        time.sleep(1)
+        if time.monotonic() - start > report:
+            logger.warning(f"Waiting {report // 60} min so far for rank {first} (downloading, preparing the data)")
+            report += 600
+    status = store.get(key).decode()
+    if status.startswith("error:"):
+        raise SystemExit(status.removeprefix("error:"))
+    yield
 
 
 def record(main):

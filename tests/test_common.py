@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from harness import REPO
 
 from common import DEFAULT_MODEL, latest_checkpoint, load_and_pack, publish_checkpoint
@@ -30,6 +31,41 @@ def test_packing_keeps_every_token_in_order(tmp_path, monkeypatch):
     assert rows["input_ids"].shape == (len(packed), 16)
     assert rows["input_ids"].flatten().tolist() == stream[: len(packed) * 16]
     assert rows["labels"].equal(rows["input_ids"])  # the model shifts labels itself
+
+
+def test_packed_rows_take_4_bytes_per_token_on_disk(tmp_path, monkeypatch):
+    """The cache holds one column of int32 rows of fixed length and nothing else (no labels, no
+    tokenized documents): 4 bytes per token, plus the Arrow file's header. It was 12, with the
+    tokenized documents on top. The rows come out as int64, with the labels made as they are read."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from common import DEFAULT_DATASET
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    train, val = load_and_pack(DEFAULT_DATASET, tokenizer, seq_length=128, val_fraction=0.01)
+    assert train.features == datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"), length=128)})
+    [packed_file] = {f["filename"] for f in train.cache_files}
+    tokens = (len(train) + len(val)) * 128
+    assert 4 <= os.path.getsize(packed_file) / tokens < 4.01
+    written = [p for p in tmp_path.rglob("*.arrow") if "cache-" in p.name]
+    assert [str(p) for p in written] == [packed_file]  # the one map that tokenizes and packs
+    row = train[0]
+    assert row["input_ids"].dtype == torch.int64 and row["labels"].equal(row["input_ids"])
+
+
+def test_data_prepared_beforehand_is_found_by_the_chapters(tmp_path):
+    """python -m common.prepare fills the cache that a chapter then reads: the chapter tokenizes nothing."""
+    from harness import FAST_ARGS, chapter_env, run_chapter
+
+    hf_home = tmp_path / "hf"
+    prepare = [sys.executable, "-m", "common.prepare", "--seq-length", "128"]
+    proc = subprocess.run(prepare, env=chapter_env(hf_home), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(1,308,032 tokens)" in proc.stdout and "(4.00 bytes per token)" in proc.stdout, proc.stdout
+    run = run_chapter("01-single-gpu", *FAST_ARGS, "--max-steps", "1", "--save-dir", str(tmp_path), hf_home=hf_home)
+    assert "Tokenizing" not in run.stderr
 
 
 def test_validation_rows_are_held_out_of_training(tmp_path, monkeypatch):

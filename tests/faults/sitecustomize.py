@@ -10,6 +10,7 @@ FAULT_NAN_AT_STEP=N             after the N-th optimizer step of rank FAULT_RANK
 FAULT_SIGNAL_AT_STEP=N          in the N-th optimizer step of rank FAULT_RANK, send FAULT_SIGNAL (default
                                 TERM) to this process, or with FAULT_SIGNAL_PARENT=1 to its parent
                                 (torchrun): as a scheduler would, at a step boundary that tests can name.
+FAULT_SLOW_DATA=S               rank 0 prepares the data (load_and_pack) S seconds more slowly.
 FAULT_FP8_SCALE=F               every FP8 scale torchao computes is F x the right one: in amax_to_scale (inputs,
                                 output gradients, weights cast one by one) and in the weight scales
                                 precompute_float8_dynamic_scale_for_fsdp sets for FSDP's FP8 all-gathers. The FP8
@@ -136,6 +137,20 @@ if _step_fault and _first_attempt and _this_rank:
         return result
 
     torch.optim.AdamW.step = _step_or_fail
+
+if "FAULT_SLOW_DATA" in os.environ and os.environ.get("RANK", "0") == "0":
+    import time
+
+    import common
+    import common.data
+
+    _load_and_pack = common.data.load_and_pack
+
+    def _slow_load_and_pack(*args, **kwargs):
+        time.sleep(float(os.environ["FAULT_SLOW_DATA"]))
+        return _load_and_pack(*args, **kwargs)
+
+    common.load_and_pack = common.data.load_and_pack = _slow_load_and_pack
 
 if "FAULT_FP8_SCALE" in os.environ and _first_attempt:
     # The two places torchao computes a scale from an amax; the chapter imports the second by name
