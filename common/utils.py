@@ -54,7 +54,7 @@ def rank0_first(local: bool = False):
 
     With `local=True`, local rank 0 of every node goes first: for caches on each node's own disk.
     The others wait for as long as it takes, not for --dist-timeout: preparing a large corpus takes
-    hours, and a collective would time out. They wait on the job's key-value store (torchrun's), which
+    hours, and a collective would time out. They poll the job's key-value store (torchrun's), which
     no timeout ends, and say every 10 minutes what they wait for; if the first rank dies, torchrun
     stops them. If it stops with an error (a bad --dataset-name, say), the waiting ranks stop with the
     same message instead of waiting on: every rank reports what went wrong.
@@ -73,7 +73,7 @@ def rank0_first(local: bool = False):
         return
     start, report = time.monotonic(), 600
     while not store.check([key]):
-        time.sleep(1)
+        time.sleep(0.1)
         if time.monotonic() - start > report:
             logger.warning(f"Waiting {report // 60} min so far for rank {first} (downloading, preparing the data)")
             report += 600
