@@ -222,3 +222,12 @@ def test_elastic_restart_with_plain_torchrun(tmp_path, hf_home, fsdp_run):
     )
     assert "Workers restarted 1 time(s): resuming" in proc.stderr and "step-00000004 at step 4" in proc.stderr
     assert losses(tmp_path / CHAPTER) == losses(fsdp_run / CHAPTER)
+
+
+def test_data_preparation_may_outlast_the_collective_timeout(tmp_path):
+    """Rank 0 prepares the data 20 s more slowly than it can, under --dist-timeout 0.25 (15 s): rank 1
+    waits for it on the job's store, which no timeout ends, not in a collective, and the job trains.
+    (In a collective, gloo would have timed out; on GPUs, NCCL's watchdog would have killed the job.)"""
+    args = [*FAST_ARGS, "--max-steps", "2", "--dist-timeout", "0.25", "--save-dir", str(tmp_path)]
+    run_chapter(CHAPTER, *args, nproc=2, hf_home=tmp_path / "hf", faults={"FAULT_SLOW_DATA": 20})
+    assert len(losses(tmp_path / CHAPTER)) == 2
