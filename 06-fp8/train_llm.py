@@ -91,7 +91,8 @@ from common import (
     wandb_mode,
     warmup_cosine,
 )
-from common.fp8 import Float8Stats, convert_to_te, fp8_filter, fp8_summary, torchao_settings, transformer_engine
+from common.fp8 import Float8Stats, convert_to_te, fp8_filter, fp8_left_out, fp8_summary, torchao_settings
+from common.fp8 import transformer_engine
 
 logger = logging.getLogger(__name__)
 
@@ -224,12 +225,7 @@ def main():
     else:
         apply_float8(blocks, args, fp8_all_gather)
     # A run "in FP8" with no layer in FP8 would only be slower: refused, and otherwise said what is in FP8.
-    filtered = (
-        f"too small for FP8 to be faster at --tp-size {args.tp_size} (--fp8-layers all converts them)"
-        if args.fp8_layers == "fast"
-        else f"dimensions not multiples of 16 at --tp-size {args.tp_size}"
-    )
-    in_fp8, summary = fp8_summary(model, blocks, filtered)
+    in_fp8, summary = fp8_summary(model, blocks, fp8_left_out(args))
     if not in_fp8:
         raise SystemExit(f"error: no layer would compute in FP8: {summary}")
     logger.info(summary)

@@ -242,6 +242,13 @@ def fp8_summary(model, blocks, filtered: str) -> tuple[int, str]:
     return in_fp8, f"{in_fp8} of the blocks' {total} matmul layers compute in FP8; in high precision: {reasons}"
 
 
+def fp8_left_out(args) -> str:
+    """Why fp8_filter left an nn.Linear of the blocks out, for fp8_summary."""
+    if args.fp8_layers == "fast":
+        return f"too small for FP8 to be faster at --tp-size {args.tp_size} (--fp8-layers all converts them)"
+    return f"dimensions not multiples of 16 at --tp-size {args.tp_size}"
+
+
 def torchao_settings(args, device, use_compile: bool) -> bool:
     """Refuses what torchao's FP8 kernels cannot run, sets what compiling them needs and which layers
     go to FP8 (--fp8-layers), and returns whether to compile."""
