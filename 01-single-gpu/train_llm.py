@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 
 def main():
+    # --- 1. Setup: flags, device, precision ---
     # What the imports made (~370k objects of torch, transformers, datasets) lives as long as the
     # process: the garbage collector need never scan it again. Its full scans take ~0.3 s each, in the
     # middle of steps, and one more at exit: a sixth of the CPU time of a short run.
@@ -64,15 +65,20 @@ def main():
     if device_type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda, but no GPU is visible (did the job request GPUs?)")
     device = torch.device(device_type)
-    # fp32 weights and optimizer state; matmuls in bf16 on GPU (autocast), fp32 on CPU.
+    # fp32 weights and optimizer state; matmuls in bf16 on GPU, fp32 on CPU.
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     autocast = functools.partial(torch.autocast, device.type, dtype=dtype, enabled=dtype != torch.float32)
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
 
+    # --- 2. Config and tokenizer ---
     # Everything that can fail on bad input happens before anything is written.
     check_save_dir(args.save_dir)
     config, tokenizer = load_config_and_tokenizer(args.model_name, args.seq_length)
+    # The export is in the dtype the model was published in (bf16 for most), not in training's fp32.
+    # Read it now: building the model in fp32 overwrites config.dtype.
+    export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
+    # --- 3. Data: tokenized, packed into rows, validation rows held out ---
     train_data, val_data = load_and_pack(args.dataset_name, tokenizer, args.seq_length, args.val_fraction)
     # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows.
     global_batch_rows = args.batch_size * args.grad_accum_steps
@@ -80,13 +86,14 @@ def main():
     val_rows = len(val_data) if val_data is not None else 0
     if steps_per_epoch == 0 or 0 < val_rows < args.batch_size:
         raise SystemExit(
-            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} is larger than the "
-            f"dataset ({len(train_data)} training and {val_rows} validation rows of {args.seq_length} tokens); "
-            "pass a smaller --batch-size or --seq-length"
+            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} "
+            f"is larger than the dataset ({len(train_data)} training and {val_rows} validation rows of "
+            f"{args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
         )
     total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
+    # --- 4. Model ---
     # Built on the CPU and then moved, so every chapter starts from the same weights for a seed.
     torch.manual_seed(args.seed)
     if args.from_pretrained:
@@ -99,12 +106,20 @@ def main():
     model = model.to(device)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(f"{num_params:,} parameters")
+    if args.activation_checkpointing:
+        # Each block keeps only its input; its activations are recomputed during backward.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
+    # --- 5. Optimizer and LR schedule ---
     optimizer = torch.optim.AdamW(
-        adamw_param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, args.beta2), fused=device.type == "cuda"
+        adamw_param_groups(model, args.weight_decay),
+        lr=args.lr,
+        betas=(0.9, args.beta2),
+        fused=device.type == "cuda",
     )
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup_steps, total_steps))
 
+    # --- 6. Resume from the last checkpoint, if there is one ---
     exp_dir = Path(args.save_dir) / args.experiment_name
     # The data position counts steps of global_batch_rows rows of seq_length tokens.
     layout = {"global_batch_rows": global_batch_rows, "seq_length": args.seq_length}
@@ -127,15 +142,10 @@ def main():
     if use_compile:
         model.compile()
 
+    # --- 7. Train ---
     exp_dir.mkdir(parents=True, exist_ok=True)
-    wandb.init(
-        dir=exp_dir,
-        id=state["wandb_run_id"],
-        name=args.experiment_name,
-        resume="allow",
-        config=vars(args),
-        mode=wandb_mode(),
-    )
+    metrics_file = exp_dir / "metrics.jsonl"
+    init_wandb(args, exp_dir, state["wandb_run_id"])
 
     tokens_per_step = global_batch_rows * args.seq_length
     flops_per_step = tokens_per_step * flops_per_token(model, config, args.seq_length)
@@ -147,7 +157,15 @@ def main():
     running_loss = state["running_loss"]
     steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
 
-    with tqdm.tqdm(total=total_steps, initial=state["global_step"], desc="training", dynamic_ncols=True) as progress:
+    def due(every):  # every `every` steps, and at the last one
+        return state["global_step"] % every == 0 or state["global_step"] == total_steps
+
+    with tqdm.tqdm(
+        total=total_steps,
+        initial=state["global_step"],
+        desc="training",
+        dynamic_ncols=True,
+    ) as progress:
         model.train()
         stopping = None
         while state["global_step"] < total_steps and not stopping:
@@ -166,26 +184,7 @@ def main():
             batches = iter(dataloader)
 
             for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
-                step_loss = 0.0
-                for _ in range(args.grad_accum_steps):
-                    with timers("data"):
-                        batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-
-                    with timers("forward"), autocast():
-                        # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
-                        # Each micro-batch's mean loss is divided by their number: the gradients they add up
-                        # to are those of the mean loss over all rows of the step, as one big batch would give.
-                        loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
-
-                    with timers("backward"):
-                        loss.backward()
-                    step_loss += loss.detach()
-
-                with timers("optimizer"):
-                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    lr_scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
+                step_loss, grad_norm = train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device)
 
                 state["global_step"] += 1
                 state["epoch_step"] += 1
@@ -197,7 +196,7 @@ def main():
 
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.name
-                if state["global_step"] % args.log_freq == 0 or state["global_step"] == total_steps:
+                if due(args.log_freq):
                     timings = timers.summary(steps_since_log)  # waits for the GPU: elapsed then covers all queued work
                     elapsed = time.perf_counter() - log_start
                     guard.check()
@@ -213,21 +212,19 @@ def main():
                     }
                     if peak_flops:
                         metrics["mfu"] = steps_since_log * flops_per_step / elapsed / peak_flops
-                    log_metrics(metrics, exp_dir / "metrics.jsonl")
+                    log_metrics(metrics, metrics_file)
                     postfix.update(loss=f"{metrics['loss']:.3f}", tokens_per_s=f"{metrics['tokens_per_s']:.0f}")
                     progress.set_postfix(postfix)
                     running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
-                if val_data is not None and not stopping and (
-                    state["global_step"] % args.eval_every == 0 or state["global_step"] == total_steps
-                ):
+                if val_data is not None and not stopping and due(args.eval_every):
                     val_loss = evaluate(model, val_data, args, device, autocast)
-                    log_metrics({"step": state["global_step"], "val_loss": val_loss}, exp_dir / "metrics.jsonl")
+                    log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
                     log_start = time.perf_counter()  # evaluating is not training: keep it out of tokens/s
 
-                if state["global_step"] % args.ckpt_freq == 0 or state["global_step"] == total_steps or stopping:
+                if due(args.ckpt_freq) or stopping:
                     guard.check()  # a model with NaN weights never becomes a checkpoint
                     state["running_loss"], state["steps_since_log"] = float(running_loss), steps_since_log
                     save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints)
@@ -239,12 +236,59 @@ def main():
                 state["epoch"] += 1
                 state["epoch_step"] = 0
 
+    # --- 8. Export ---
+    if args.export_hf and not stopping:
+        export_hf(model, config, tokenizer, args.export_hf, export_dtype)
     if not stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
         wandb.finish()
     if stopping:
         logger.info(f"Stopped by {stopping} at step {state['global_step']}: rerun the same command to resume")
     else:
         logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
+
+def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device):
+    """One optimizer step on --grad-accum-steps micro-batches from `batches`. Returns the step's loss
+    and gradient norm, on the device: reading them would wait for the GPU."""
+    step_loss = 0.0
+    for _ in range(args.grad_accum_steps):
+        with timers("data"):
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+
+        with timers("forward"), autocast():
+            # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
+            # Each micro-batch's mean loss is divided by their number: the gradients they add up
+            # to are those of the mean loss over all rows of the step, as one big batch would give.
+            loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
+
+        with timers("backward"):
+            loss.backward()
+        step_loss += loss.detach()
+
+    with timers("optimizer"):
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step_loss, grad_norm
+
+
+
+def init_wandb(args, exp_dir, run_id):
+    """The run's wandb run. Its id comes from the checkpoint: a resumed run continues its wandb run, and a
+    new run (after deleting the folder, or another chapter under the same name) never continues an old one."""
+    wandb.init(dir=exp_dir, id=run_id, name=args.experiment_name, resume="allow", config=vars(args), mode=wandb_mode())
+
+
+def export_hf(model, config, tokenizer, folder, dtype):
+    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer."""
+    full_state = model.state_dict()
+    with torch.device("meta"):
+        export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    export_model.load_state_dict({name: value.to(dtype) for name, value in full_state.items()}, assign=True)
+    export_model.tie_weights()  # converted one by one, tied weights became two tensors again
+    export_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    logger.info(f"Exported the model to {folder} in {dtype}")
 
 
 def evaluate(model, val_data, args, device, autocast) -> float:

@@ -17,7 +17,6 @@ import secrets
 import shutil
 import socket
 import time
-from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -64,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 @record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
 def main():
+    # --- 1. Setup: flags, device, precision ---
     # What the imports made (~370k objects of torch, transformers, datasets) lives as long as the
     # process: the garbage collector need never scan it again. Its full scans take ~0.3 s each, in the
     # middle of steps, and one more at exit: a sixth of the CPU time of a short run.
@@ -85,24 +85,22 @@ def main():
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda, but no GPU is visible (did the job request GPUs?)")
-    # A collective that waits longer than the timeout fails instead of hanging forever.
-    if device_type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timedelta(minutes=args.dist_timeout), device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
-    # fp32 weights and optimizer state; matmuls in bf16 on GPU (autocast), fp32 on CPU.
+    device = init_distributed(args, device_type, local_rank)
+    # fp32 weights and optimizer state; matmuls in bf16 on GPU, fp32 on CPU.
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     autocast = functools.partial(torch.autocast, device.type, dtype=dtype, enabled=dtype != torch.float32)
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
 
+    # --- 2. Config and tokenizer ---
     # Everything that can fail on bad input happens before anything is written.
     check_save_dir(args.save_dir)
     with rank0_first(local=args.node_local_cache):
         config, tokenizer = load_config_and_tokenizer(args.model_name, args.seq_length)
+    # The export is in the dtype the model was published in (bf16 for most), not in training's fp32.
+    # Read it now: building the model in fp32 overwrites config.dtype.
+    export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
+    # --- 3. Data: tokenized, packed into rows, validation rows held out ---
     with rank0_first(local=args.node_local_cache):
         train_data, val_data = load_and_pack(args.dataset_name, tokenizer, args.seq_length, args.val_fraction)
     # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows on every rank.
@@ -118,6 +116,7 @@ def main():
     total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
+    # --- 4. Model ---
     # Built on the CPU and then moved, so every chapter starts from the same weights for a seed.
     torch.manual_seed(args.seed)
     if args.from_pretrained:
@@ -131,12 +130,20 @@ def main():
     model = model.to(device)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(f"{num_params:,} parameters")
+    if args.activation_checkpointing:
+        # Each block keeps only its input; its activations are recomputed during backward.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
+    # --- 5. Optimizer and LR schedule ---
     optimizer = torch.optim.AdamW(
-        adamw_param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, args.beta2), fused=device.type == "cuda"
+        adamw_param_groups(model, args.weight_decay),
+        lr=args.lr,
+        betas=(0.9, args.beta2),
+        fused=device.type == "cuda",
     )
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup_steps, total_steps))
 
+    # --- 6. Resume from the last checkpoint, if there is one ---
     exp_dir = Path(args.save_dir) / args.experiment_name
     # The data position counts steps of global_batch_rows rows of seq_length tokens.
     layout = {"global_batch_rows": global_batch_rows, "seq_length": args.seq_length}
@@ -174,19 +181,10 @@ def main():
     if use_compile:
         model.compile()
 
-    # One wandb run per rank (each rank's timings and memory are its own), grouped by job. The
-    # ids come from the checkpoint, as in chapter 01: a new run never continues an old one.
-    wandb_dir = exp_dir / f"rank-{rank}"
-    wandb_dir.mkdir(parents=True, exist_ok=True)
-    wandb.init(
-        dir=wandb_dir,
-        id=f"{state['wandb_run_id']}-{rank}",
-        name=f"{args.experiment_name}-rank-{rank}",
-        group=f"{args.experiment_name}-{state['wandb_run_id']}",
-        resume="allow",
-        config=vars(args),
-        mode=wandb_mode(),
-    )
+    # --- 7. Train ---
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    metrics_file = exp_dir / "metrics.jsonl" if rank == 0 else None  # rank 0 writes the job's metrics
+    init_wandb(args, exp_dir, state["wandb_run_id"])
 
     tokens_per_step = global_batch_rows * args.seq_length
     flops_per_step = tokens_per_step * flops_per_token(model, config, args.seq_length)
@@ -195,12 +193,18 @@ def main():
     guard = NonFiniteGuard(device)
     stop = StopSignal()
     postfix = {}  # what the progress bar shows after the counts
-    # Rank 0 carries the job's loss sum from before the checkpoint; the others start from zero.
-    running_loss = state["running_loss"] if rank == 0 else 0.0
+    running_loss = state["running_loss"]
     steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
 
+    def due(every):  # every `every` steps, and at the last one
+        return state["global_step"] % every == 0 or state["global_step"] == total_steps
+
     with tqdm.tqdm(
-        total=total_steps, initial=state["global_step"], desc="training", dynamic_ncols=True, disable=rank != 0
+        total=total_steps,
+        initial=state["global_step"],
+        desc="training",
+        dynamic_ncols=True,
+        disable=rank != 0,
     ) as progress:
         model.train()
         stopping = None
@@ -221,30 +225,7 @@ def main():
             batches = iter(dataloader)
 
             for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
-                step_loss = 0.0
-                for micro_step in range(args.grad_accum_steps):
-                    with timers("data"):
-                        batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-
-                    # DDP all-reduces the gradients in every backward, unless told not to: the micro-steps
-                    # before the last only add to the local gradients, and the last averages the sum once.
-                    # no_sync must cover the forward too: that is where DDP prepares the all-reduce.
-                    with nullcontext() if micro_step == args.grad_accum_steps - 1 else model.no_sync():
-                        with timers("forward"), autocast():
-                            # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
-                            # Each micro-batch's mean loss is divided by their number: the gradients they add up
-                            # to are those of the mean loss over all rows of the step, as one big batch would give.
-                            loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
-
-                        with timers("backward"):
-                            loss.backward()
-                    step_loss += loss.detach()
-
-                with timers("optimizer"):
-                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    lr_scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
+                step_loss, grad_norm = train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device)
 
                 state["global_step"] += 1
                 state["epoch_step"] += 1
@@ -256,16 +237,14 @@ def main():
 
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.agreed(device)
-                if state["global_step"] % args.log_freq == 0 or state["global_step"] == total_steps:
-                    # Each rank saw other rows: the job's loss is the mean over ranks.
-                    dist.all_reduce(running_loss, op=dist.ReduceOp.SUM)
+                if due(args.log_freq):
                     timings = timers.summary(steps_since_log)  # waits for the GPU: elapsed then covers all queued work
                     elapsed = time.perf_counter() - log_start
                     guard.check()
                     metrics = {
                         "step": state["global_step"],
                         "epoch": state["epoch"],
-                        "loss": running_loss.item() / steps_since_log / world_size,
+                        "loss": running_loss.item() / steps_since_log,
                         "lr": lr_scheduler.get_last_lr()[0],
                         "grad_norm": grad_norm.item(),
                         "tokens_per_s": steps_since_log * tokens_per_step / elapsed,
@@ -274,26 +253,21 @@ def main():
                     }
                     if peak_flops:
                         metrics["mfu"] = steps_since_log * flops_per_step / elapsed / (world_size * peak_flops)
-                    log_metrics(metrics, exp_dir / "metrics.jsonl" if rank == 0 else None)
+                    log_metrics(metrics, metrics_file)
                     postfix.update(loss=f"{metrics['loss']:.3f}", tokens_per_s=f"{metrics['tokens_per_s']:.0f}")
                     progress.set_postfix(postfix)
                     running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
-                if val_data is not None and not stopping and (
-                    state["global_step"] % args.eval_every == 0 or state["global_step"] == total_steps
-                ):
-                    val_loss = evaluate(model, val_data, args, device, autocast, world_size)
-                    val_metrics = {"step": state["global_step"], "val_loss": val_loss}
-                    log_metrics(val_metrics, exp_dir / "metrics.jsonl" if rank == 0 else None)
+                if val_data is not None and not stopping and due(args.eval_every):
+                    val_loss = evaluate(model, val_data, args, device, autocast)
+                    log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
                     log_start = time.perf_counter()  # evaluating is not training: keep it out of tokens/s
 
-                if state["global_step"] % args.ckpt_freq == 0 or state["global_step"] == total_steps or stopping:
+                if due(args.ckpt_freq) or stopping:
                     guard.check()  # a model with NaN weights never becomes a checkpoint
-                    job_loss = torch.tensor(float(running_loss), device=device)
-                    dist.all_reduce(job_loss, op=dist.ReduceOp.SUM)
-                    state["running_loss"], state["steps_since_log"] = job_loss.item(), steps_since_log
+                    state["running_loss"], state["steps_since_log"] = float(running_loss), steps_since_log
                     # All ranks hold the same weights and optimizer state: rank 0 writes for everyone.
                     if rank == 0:
                         save_checkpoint(
@@ -309,22 +283,100 @@ def main():
                 state["epoch"] += 1
                 state["epoch_step"] = 0
 
+    # --- 8. Export ---
+    if args.export_hf and not stopping and rank == 0:
+        export_hf(model.module, config, tokenizer, args.export_hf, export_dtype)
     if not stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
         wandb.finish()
     if stopping:
         logger.info(f"Stopped by {stopping} at step {state['global_step']}: rerun the same command to resume")
     else:
         logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
-    # DDP's reducer holds the process group: freed after destroy_process_group, it would free the
-    # group itself, holding the GIL that gloo's threads may still need, and hang at exit (pytorch#75097).
+    # The model holds the process group (DDP's reducer does): freed after destroy_process_group, it would free
+    # the group itself, holding the GIL that gloo's threads may still need, and hang at exit (pytorch#75097).
     del model
     dist.destroy_process_group()
 
+def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device):
+    """One optimizer step on --grad-accum-steps micro-batches from `batches`. Returns the step's loss
+    and gradient norm, on the device: reading them would wait for the GPU."""
+    step_loss = 0.0
+    for micro_step in range(args.grad_accum_steps):
+        # DDP all-reduces the gradients in every backward, unless told not to: the micro-steps
+        # before the last only add to the local gradients, and the last reduces their sum once.
+        model.require_backward_grad_sync = micro_step == args.grad_accum_steps - 1
+        with timers("data"):
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
 
-def evaluate(model, val_data, args, device, autocast, world_size) -> float:
+        with timers("forward"), autocast():
+            # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
+            # Each micro-batch's mean loss is divided by their number: the gradients they add up
+            # to are those of the mean loss over all rows of the step, as one big batch would give.
+            loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
+
+        with timers("backward"):
+            loss.backward()
+        step_loss += loss.detach()
+    # Each rank trained on other rows: the job's loss is their mean (one number, no wait for the GPU).
+    dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+    step_loss /= dist.get_world_size()
+
+    with timers("optimizer"):
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step_loss, grad_norm
+
+
+
+def init_distributed(args, device_type, local_rank):
+    """Joins this process to the job (torchrun said where to find the others), and returns its device:
+    the GPU of its local rank, or the CPU. A collective that waits longer than the timeout fails instead
+    of hanging forever."""
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timedelta(minutes=args.dist_timeout), device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
+    return device
+
+
+def init_wandb(args, exp_dir, run_id):
+    """The run's wandb runs: one per rank (each rank's timings and memory are its own), grouped by job.
+    Their ids come from the checkpoint, as in chapter 01: a new run never continues an old one."""
+    rank = dist.get_rank()
+    wandb_dir = exp_dir / f"rank-{rank}"
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    wandb.init(
+        dir=wandb_dir,
+        id=f"{run_id}-{rank}",
+        name=f"{args.experiment_name}-rank-{rank}",
+        group=f"{args.experiment_name}-{run_id}",
+        resume="allow",
+        config=vars(args),
+        mode=wandb_mode(),
+    )
+
+
+def export_hf(model, config, tokenizer, folder, dtype):
+    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer."""
+    full_state = model.state_dict()
+    with torch.device("meta"):
+        export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    export_model.load_state_dict({name: value.to(dtype) for name, value in full_state.items()}, assign=True)
+    export_model.tie_weights()  # converted one by one, tied weights became two tensors again
+    export_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    logger.info(f"Exported the model to {folder} in {dtype}")
+
+
+def evaluate(model, val_data, args, device, autocast) -> float:
     """The mean loss over the first --eval-batches global batches of the validation rows, without
     gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
-    global_batch = world_size * args.batch_size
+    global_batch = dist.get_world_size() * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
     # Each rank takes every world_size-th row, and the sum of the batches' mean losses is all-reduced.
     sampler = DistributedSampler(rows, shuffle=False)

@@ -8,7 +8,6 @@ With no arguments it trains a tiny Llama on a small task dataset, both shipped i
 Rerunning the same command resumes from the last checkpoint in --save-dir/--experiment-name.
 """
 
-import contextlib
 import dataclasses
 import functools
 import gc
@@ -38,10 +37,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -91,14 +89,17 @@ from common import (
     wandb_mode,
     warmup_cosine,
 )
+
 from common.fp8 import Float8Stats, convert_to_te, fp8_filter, fp8_left_out, fp8_summary, torchao_settings
-from common.fp8 import transformer_engine
+from common.fp8 import transformer_engine, weights_only
+from common.tp import check_plan, check_tp_size, has_module, norm_plan
 
 logger = logging.getLogger(__name__)
 
 
 @record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
 def main():
+    # --- 1. Setup: flags, device, precision ---
     # What the imports made (~370k objects of torch, transformers, datasets) lives as long as the
     # process: the garbage collector need never scan it again. Its full scans take ~0.3 s each, in the
     # middle of steps, and one more at exit: a sixth of the CPU time of a short run.
@@ -120,33 +121,16 @@ def main():
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda, but no GPU is visible (did the job request GPUs?)")
-    # A collective that waits longer than the timeout fails instead of hanging forever.
-    if device_type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        # With --cpu-offload the shards and their gradients live on the CPU, and collectives over
-        # them (clipping's norm) need a CPU backend beside NCCL.
-        backend = "cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl"
-        dist.init_process_group(backend, timeout=timedelta(minutes=args.dist_timeout), device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
-    # fp32 weights and optimizer state; matmuls in bf16 on GPU (FSDP's mixed precision), fp32 on CPU.
+    device = init_distributed(args, device_type, local_rank)
+    # fp32 weights and optimizer state; matmuls in bf16 on GPU, fp32 on CPU.
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    # FSDP's mixed precision casts the weights for the matmuls itself: no autocast.
+    autocast = functools.partial(torch.autocast, device.type, enabled=False)
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
-    # FP8 matmuls need compute capability 8.9 (Ada, Hopper) or newer. Elsewhere torchao emulates them:
-    # the same FP8 rounding, multiplied in high precision, for learning and testing; no speed-up.
-    fp8_hardware = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-    if args.fp8_backend == "torchao" and not args.fp8_emulate and not fp8_hardware:
-        raise SystemExit(
-            f"error: this {device.type} has no FP8 matmuls (an H100, L40S, RTX 4090 or newer has): "
-            "pass --fp8-emulate to emulate them, with no speed-up"
-        )
-    # torchao's FP8 layers need no context; Transformer Engine's compute in FP8 inside te.autocast only.
-    fp8_autocast = contextlib.nullcontext
     if args.fp8_backend == "te":
+        # Transformer Engine's layers compute in FP8 only inside its autocast.
         te, recipe = transformer_engine(args)
-        fp8_autocast = functools.partial(te.autocast, recipe=recipe)
+        autocast = functools.partial(te.autocast, recipe=recipe)
     else:
         use_compile = torchao_settings(args, device, use_compile)
     if args.cpu_offload and device.type != "cuda":
@@ -161,24 +145,17 @@ def main():
     mesh = init_device_mesh(device.type, (world_size // args.tp_size, args.tp_size), mesh_dim_names=("dp", "tp"))
     dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
 
+    # --- 2. Config and tokenizer ---
     # Everything that can fail on bad input happens before anything is written.
     check_save_dir(args.save_dir)
-    if args.export_hf and os.path.isfile(args.export_hf):
-        raise SystemExit(f"error: --export-hf {args.export_hf!r} is a file: pass a folder to export into")
     with rank0_first(local=args.node_local_cache):
         config, tokenizer = load_config_and_tokenizer(args.model_name, args.seq_length)
     # The export is in the dtype the model was published in (bf16 for most), not in training's fp32.
     # Read it now: building the model in fp32 overwrites config.dtype.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
-    # Each rank computes whole attention heads, and sequence parallel splits every row's tokens.
-    for name, value in [
-        ("attention heads", config.num_attention_heads),
-        ("key/value heads", getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
-        ("--seq-length", args.seq_length),
-    ]:
-        if value % args.tp_size:
-            raise SystemExit(f"error: --tp-size {args.tp_size} must divide the model's {name} ({value})")
+    check_tp_size(args.tp_size, config, args.seq_length)  # whole heads on each rank, and whole tokens
 
+    # --- 3. Data: tokenized, packed into rows, validation rows held out ---
     with rank0_first(local=args.node_local_cache):
         train_data, val_data = load_and_pack(args.dataset_name, tokenizer, args.seq_length, args.val_fraction)
     # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows on every dp
@@ -195,72 +172,36 @@ def main():
     total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
+    # --- 4. Model ---
     # Only rank 0 ever holds the whole model, and only on the CPU: built there as in the chapters
     # before (so the same seed gives the same weights), or loaded with --from-pretrained.
     torch.manual_seed(args.seed)
     full_model = None
-    try:
-        # A phase of rank 0 alone (a first run downloads the weights): the other ranks wait for it on
-        # the job's store, for as long as it takes (rank0_first), not in a collective.
-        with rank0_first():
-            if rank == 0 and args.from_pretrained:
-                logger.info(f"Loading {args.model_name}; the other ranks wait for it")
-                full_model = AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
-            elif rank == 0:
-                full_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    except OSError as err:
-        raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
+    if args.from_pretrained:
+        try:
+            # Rank 0 alone loads (a first run downloads): the others wait on the job's store, for as
+            # long as it takes (rank0_first), not in a collective that would time out.
+            with rank0_first():
+                if rank == 0:
+                    full_model = AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
+        except OSError as err:
+            raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
+    elif rank == 0:
+        full_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Every rank builds the structure on the meta device (shapes, no memory), shards it, and
     # allocates only its own shards on its device.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Found once, now: fully_shard changes each block's class, and then the names would not match.
     blocks = transformer_blocks(model)
-    # The blocks' linear layers compute in FP8, scaled per tensor or per row (--fp8-recipe). The
-    # output layer stays in high precision: the logits are where FP8's rounding would cost most.
-    # With one scale per tensor, FSDP all-gathers torchao's weights in FP8: half the bytes of bf16.
-    fp8_all_gather = args.fp8_backend == "torchao" and args.fp8_recipe == "tensorwise"
-    if args.fp8_backend == "te":
-        convert_to_te(blocks, te)
-    else:
-        apply_float8(blocks, args, fp8_all_gather)
-    # A run "in FP8" with no layer in FP8 would only be slower: refused, and otherwise said what is in FP8.
-    in_fp8, summary = fp8_summary(model, blocks, fp8_left_out(args))
-    if not in_fp8:
-        raise SystemExit(f"error: no layer would compute in FP8: {summary}")
-    logger.info(summary)
-    if args.activation_checkpointing:
-        # Each block keeps only its input; its activations are recomputed during backward.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
-    # TP first, then FSDP shards the TP shards over dp: each weight is split in two dimensions.
-    if args.tp_size > 1:
-        # (gloo cannot send FP8 bytes: on the CPU, inputs are all-gathered first, then cast, to the same numbers.)
-        apply_tp(model, blocks, mesh["tp"], fp8_all_gather and device.type == "cuda")
-    apply_fsdp(model, blocks, mesh["dp"], mp_policy, offload_policy)
+    parallelize(model, blocks, mesh, args, dtype, use_compile)
     model.to_empty(device="cpu" if args.cpu_offload else device)
-    # Rank 0's full weights, sent tensor by tensor into every rank's shards.
-    full_state = full_model.state_dict() if rank == 0 else {}
-    if rank == 0 and args.fp8_backend == "te":
-        # TE's layers have an extra state (FP8 metadata; none yet) that HF's layers have not.
-        full_state |= {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    # Buffers outside the state dict (Llama's rotary frequencies) are not sent: send them too, to
-    # the device, where the model computes (with --cpu-offload, to_empty left them on the CPU).
-    for name, buffer in model.named_buffers():
-        # TP replicated some over the tp ranks (Gemma's embedding scale): sent as plain tensors, and kept so.
-        local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
-        value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty_like(local, device=device)
-        dist.broadcast(value, src=0)
-        if isinstance(buffer, DTensor):
-            value = DTensor.from_local(value, buffer.device_mesh, buffer.placements, run_check=False)
-        module_name, _, buffer_name = name.rpartition(".")
-        setattr(model.get_submodule(module_name), buffer_name, value)
+    send_full_weights(model, full_model, device)
     del full_model
     num_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its full size
     logger.info(f"{num_params:,} parameters, split over {args.tp_size} tp ranks and sharded over {dp_size} dp ranks")
 
+    # --- 5. Optimizer and LR schedule ---
     optimizer = torch.optim.AdamW(
         adamw_param_groups(model, args.weight_decay),
         lr=args.lr,
@@ -269,6 +210,7 @@ def main():
     )
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup_steps, total_steps))
 
+    # --- 6. Resume from the last checkpoint, if there is one ---
     exp_dir = Path(args.save_dir) / args.experiment_name
     # The data position counts steps of global_batch_rows rows of seq_length tokens.
     layout = {"global_batch_rows": global_batch_rows, "seq_length": args.seq_length}
@@ -298,31 +240,14 @@ def main():
         state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
         check_resume(checkpoint, state, layout)
         logger.info(f"Resumed from {checkpoint} at step {state['global_step']}")
-    if fp8_all_gather:
-        # The first step's FP8 weight scales, as after every optimizer step: one all-reduce for all
-        # weights (without it, FSDP's all-gather reduces each weight's amax on its own).
-        precompute_float8_dynamic_scale_for_fsdp(model)
+    # With FP8 all-gathers, the first step's FP8 weight scales, as after every optimizer step: one
+    # all-reduce for all weights (without it, FSDP's all-gather reduces each weight's amax on its own).
+    precompute_float8_dynamic_scale_for_fsdp(model)
 
-    # Each block compiled on its own: FSDP's hooks between blocks stay outside the compiled code.
-    # Whole, or not at all (fullgraph): a graph break would silently split a block into pieces, each
-    # compiled apart, with the collectives and casts between them left uncompiled.
-    if use_compile:
-        for block in blocks:
-            block.compile(fullgraph=args.fp8_backend != "te")  # TE's layers break the graph by design
-
-    # One wandb run per rank (each rank's timings and memory are its own), grouped by job. The
-    # ids come from the checkpoint, as in chapter 01: a new run never continues an old one.
-    wandb_dir = exp_dir / f"rank-{rank}"
-    wandb_dir.mkdir(parents=True, exist_ok=True)
-    wandb.init(
-        dir=wandb_dir,
-        id=f"{state['wandb_run_id']}-{rank}",
-        name=f"{args.experiment_name}-rank-{rank}",
-        group=f"{args.experiment_name}-{state['wandb_run_id']}",
-        resume="allow",
-        config=vars(args),
-        mode=wandb_mode(),
-    )
+    # --- 7. Train ---
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    metrics_file = exp_dir / "metrics.jsonl" if rank == 0 else None  # rank 0 writes the job's metrics
+    init_wandb(args, exp_dir, state["wandb_run_id"])
 
     tokens_per_step = global_batch_rows * args.seq_length
     flops_per_step = tokens_per_step * flops_per_token(model, config, args.seq_length)
@@ -330,15 +255,20 @@ def main():
     timers = PhaseTimers(device)
     guard = NonFiniteGuard(device)
     stop = StopSignal()
-    if args.fp8_stats_every:
-        fp8_stats = Float8Stats(model, group=None, device=device, reduce=args.fp8_stats_group == "world")
+    fp8_stats = Float8Stats(model, None, device, reduce=args.fp8_stats_group == "world", every=args.fp8_stats_every)
     postfix = {}  # what the progress bar shows after the counts
-    # Rank 0 carries the job's loss sum from before the checkpoint; the others start from zero.
-    running_loss = state["running_loss"] if rank == 0 else 0.0
+    running_loss = state["running_loss"]
     steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
 
+    def due(every):  # every `every` steps, and at the last one
+        return state["global_step"] % every == 0 or state["global_step"] == total_steps
+
     with tqdm.tqdm(
-        total=total_steps, initial=state["global_step"], desc="training", dynamic_ncols=True, disable=rank != 0
+        total=total_steps,
+        initial=state["global_step"],
+        desc="training",
+        dynamic_ncols=True,
+        disable=rank != 0,
     ) as progress:
         model.train()
         stopping = None
@@ -361,46 +291,11 @@ def main():
             batches = iter(dataloader)
 
             for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
-                step_loss = 0.0
-                fp8_stats_step = args.fp8_stats_every and (state["global_step"] + 1) % args.fp8_stats_every == 0
-                if fp8_stats_step:
-                    fp8_stats.start()  # this step runs eagerly, with hooks on every FP8 layer
-                for micro_step in range(args.grad_accum_steps):
-                    # As with DDP's no_sync: the micro-steps before the last keep their gradients unsharded
-                    # and add to them (a full gradient per rank, 4 bytes per parameter, until the last),
-                    # and the last reduce-scatters the sum once.
-                    model.set_requires_gradient_sync(micro_step == args.grad_accum_steps - 1)
-                    with timers("data"):
-                        batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+                fp8_stats.begin(state["global_step"] + 1)  # a step with statistics runs eagerly, with hooks
+                step_loss, grad_norm = train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device)
 
-                    # loss_parallel: the logits stay split over the vocabulary, each tp rank holding its
-                    # part, and the cross-entropy combines the parts (forward and backward) without ever
-                    # gathering them: full-vocabulary logits are the largest activation of a small model.
-                    with timers("forward"), loss_parallel(), fp8_autocast():
-                        # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
-                        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
-                        # Each micro-batch's mean loss is divided by their number: the gradients they add up
-                        # to are those of the mean loss over all rows of the step, as one big batch would give.
-                        loss = next_token_loss(logits, batch["labels"]) / args.grad_accum_steps
-                        # Backward needs the loss's fp32 log-probabilities, not the logits: freed now, not after it.
-                        del logits
-
-                    with timers("backward"), loss_parallel():
-                        loss.backward()
-                    step_loss += loss.detach()
-
-                if fp8_stats_step:  # the weights this step multiplied by, before the optimizer changes them
-                    fp8_metrics = {"step": state["global_step"] + 1, **fp8_stats.stop()}
-                    log_metrics(fp8_metrics, exp_dir / "metrics.jsonl" if rank == 0 else None)
-                with timers("optimizer"):
-                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    if fp8_all_gather:
-                        # The next step's FP8 weight scales, all at once (one all-reduce for their amaxes).
-                        precompute_float8_dynamic_scale_for_fsdp(model)
-                    lr_scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-
+                if fp8_metrics := fp8_stats.end():
+                    log_metrics(fp8_metrics, metrics_file)
                 state["global_step"] += 1
                 state["epoch_step"] += 1
                 progress.update()
@@ -411,17 +306,14 @@ def main():
 
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.agreed(device)
-                if state["global_step"] % args.log_freq == 0 or state["global_step"] == total_steps:
-                    # Each replica saw other rows: the job's loss is the mean over ranks (a tp group's
-                    # ranks hold the same loss, so this is the mean over replicas).
-                    dist.all_reduce(running_loss, op=dist.ReduceOp.SUM)
+                if due(args.log_freq):
                     timings = timers.summary(steps_since_log)  # waits for the GPU: elapsed then covers all queued work
                     elapsed = time.perf_counter() - log_start
                     guard.check()
                     metrics = {
                         "step": state["global_step"],
                         "epoch": state["epoch"],
-                        "loss": running_loss.item() / steps_since_log / world_size,
+                        "loss": running_loss.item() / steps_since_log,
                         "lr": lr_scheduler.get_last_lr()[0],
                         "grad_norm": grad_norm.item(),
                         "tokens_per_s": steps_since_log * tokens_per_step / elapsed,
@@ -431,30 +323,23 @@ def main():
                     }
                     if peak_flops:
                         metrics["mfu"] = steps_since_log * flops_per_step / elapsed / (world_size * peak_flops)
-                    log_metrics(metrics, exp_dir / "metrics.jsonl" if rank == 0 else None)
+                    log_metrics(metrics, metrics_file)
                     postfix.update(loss=f"{metrics['loss']:.3f}", tokens_per_s=f"{metrics['tokens_per_s']:.0f}")
                     progress.set_postfix(postfix)
                     running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
-                if (
-                    val_data is not None
-                    and not stopping
-                    and (state["global_step"] % args.eval_every == 0 or state["global_step"] == total_steps)
-                ):
-                    val_loss = evaluate(model, val_data, args, device, mesh["dp"], fp8_autocast)
-                    val_metrics = {"step": state["global_step"], "val_loss": val_loss}
-                    log_metrics(val_metrics, exp_dir / "metrics.jsonl" if rank == 0 else None)
+                if val_data is not None and not stopping and due(args.eval_every):
+                    val_loss = evaluate(model, val_data, args, device, autocast, mesh["dp"])
+                    log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
                     log_start = time.perf_counter()  # evaluating is not training: keep it out of tokens/s
 
-                if state["global_step"] % args.ckpt_freq == 0 or state["global_step"] == total_steps or stopping:
+                if due(args.ckpt_freq) or stopping:
                     guard.check()  # a model with NaN weights never becomes a checkpoint
-                    job_loss = torch.tensor(float(running_loss), device=device)
-                    dist.all_reduce(job_loss, op=dist.ReduceOp.SUM)
-                    state["running_loss"], state["steps_since_log"] = job_loss.item(), steps_since_log
+                    state["running_loss"], state["steps_since_log"] = float(running_loss), steps_since_log
                     # Every rank writes its own shards; rank 0 adds the rest and publishes the checkpoint.
-                    save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, rank, args.keep_checkpoints)
+                    save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints)
                     log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
                 if stopping:
                     break
@@ -463,15 +348,114 @@ def main():
                 state["epoch"] += 1
                 state["epoch_step"] = 0
 
+    # --- 8. Export ---
     if args.export_hf and not stopping:
-        export_hf(model, config, tokenizer, args.export_hf, export_dtype, rank)
+        export_hf(model, config, tokenizer, args.export_hf, export_dtype)
     if not stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
         wandb.finish()
     if stopping:
         logger.info(f"Stopped by {stopping} at step {state['global_step']}: rerun the same command to resume")
     else:
         logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
+    # The model holds the process group (DDP's reducer does): freed after destroy_process_group, it would free
+    # the group itself, holding the GIL that gloo's threads may still need, and hang at exit (pytorch#75097).
+    del model
     dist.destroy_process_group()
+
+def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device):
+    """One optimizer step on --grad-accum-steps micro-batches from `batches`. Returns the step's loss
+    and gradient norm, on the device: reading them would wait for the GPU."""
+    step_loss = 0.0
+    for micro_step in range(args.grad_accum_steps):
+        # FSDP reduce-scatters the gradients in every backward, unless told not to: the micro-steps
+        # before the last only add to the local gradients, and the last reduces their sum once.
+        # (Till then, each rank holds a full, unsharded gradient: 4 bytes per parameter.)
+        model.set_requires_gradient_sync(micro_step == args.grad_accum_steps - 1)
+        with timers("data"):
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+
+        # loss_parallel: the logits stay split over the vocabulary, each tp rank holding its
+        # part, and the cross-entropy combines the parts (forward and backward) without ever
+        # gathering them: full-vocabulary logits are the largest activation of a small model.
+        with timers("forward"), autocast(), loss_parallel():
+            # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
+            logits = model(input_ids=batch["input_ids"], use_cache=False).logits
+            # Each micro-batch's mean loss is divided by their number: the gradients they add up
+            # to are those of the mean loss over all rows of the step, as one big batch would give.
+            loss = next_token_loss(logits, batch["labels"]) / args.grad_accum_steps
+            # Backward needs the loss's fp32 log-probabilities, not the logits: freed now, not after it.
+            del logits
+
+        with timers("backward"), loss_parallel():
+            loss.backward()
+        step_loss += loss.detach()
+    # Each rank trained on other rows: the job's loss is their mean (one number, no wait for the GPU).
+    dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+    step_loss /= dist.get_world_size()
+
+    with timers("optimizer"):
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        # The next step's FP8 weight scales, all at once (one all-reduce for their amaxes).
+        precompute_float8_dynamic_scale_for_fsdp(model)
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step_loss, grad_norm
+
+
+
+def send_full_weights(model, full_model, device):
+    """Rank 0's full weights (`full_model`, None on the other ranks), sent tensor by tensor into every
+    rank's shards of `model`."""
+    rank = dist.get_rank()
+    full_state = full_model.state_dict() if rank == 0 else {}
+    if rank == 0:  # TE's layers have an extra state (FP8 metadata; none yet) that HF's layers have not
+        full_state |= {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Buffers outside the state dict (Llama's rotary frequencies) are not sent: send them too, to
+    # the device, where the model computes (with --cpu-offload, to_empty left them on the CPU).
+    for name, buffer in model.named_buffers():
+        # TP replicated some over the tp ranks (Gemma's embedding scale): sent as plain tensors, and kept so.
+        local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
+        value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty_like(local, device=device)
+        dist.broadcast(value, src=0)
+        if isinstance(buffer, DTensor):
+            value = DTensor.from_local(value, buffer.device_mesh, buffer.placements, run_check=False)
+        module_name, _, buffer_name = name.rpartition(".")
+        setattr(model.get_submodule(module_name), buffer_name, value)
+
+
+def parallelize(model, blocks, mesh, args, dtype, use_compile):
+    """What the chapter does to the model, in the order it must be done (torchtitan's parallelize_llama
+    is the model): FP8, tensor parallel, activation checkpointing, compile, then FSDP."""
+    # FP8 first: TP's float8 styles and FSDP's FP8 all-gathers act on the layers it converted. With one
+    # scale per tensor, FSDP all-gathers torchao's weights in FP8: half the bytes of bf16.
+    fp8_all_gather = args.fp8_backend == "torchao" and args.fp8_recipe == "tensorwise"
+    if args.fp8_backend == "te":
+        convert_to_te(blocks)
+    else:
+        apply_float8(blocks, args, fp8_all_gather)
+    # A run "in FP8" with no layer in FP8 would only be slower: refused, and otherwise said what is in FP8.
+    in_fp8, summary = fp8_summary(model, blocks, fp8_left_out(args))
+    if not in_fp8:
+        raise SystemExit(f"error: no layer would compute in FP8: {summary}")
+    logger.info(summary)
+    # TP first, then FSDP shards the TP shards over dp: each weight is split in two dimensions.
+    if args.tp_size > 1:
+        # (gloo cannot send FP8 bytes: on the CPU, inputs are all-gathered first, then cast, to the same numbers.)
+        apply_tp(model, blocks, mesh["tp"], fp8_all_gather and mesh.device_type == "cuda")
+    if args.activation_checkpointing:
+        # Each block keeps only its input; its activations are recomputed during backward.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if use_compile:
+        # Each block compiled on its own: FSDP's hooks between blocks stay outside the compiled code.
+        # Whole, or not at all (fullgraph): a graph break would silently split a block into pieces, each
+        # compiled apart, with the collectives and casts between them left uncompiled.
+        for block in blocks:
+            block.compile(fullgraph=args.fp8_backend != "te")  # TE's layers break the graph by design
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
+    apply_fsdp(model, blocks, mesh["dp"], mp_policy, offload_policy)
 
 
 def apply_float8(blocks, args, fp8_all_gather):
@@ -530,7 +514,7 @@ def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
 
     def style(plain, float8, *layers):
         block = blocks[0]
-        in_fp8 = all(_has(block, name) and isinstance(block.get_submodule(name), Float8Linear) for name in layers)
+        in_fp8 = all(has_module(block, name) and isinstance(block.get_submodule(name), Float8Linear) for name in layers)
         return float8 if fp8_all_gather and in_fp8 else plain
 
     qkv, gate_up = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["mlp.gate_proj", "mlp.up_proj"]
@@ -563,32 +547,9 @@ def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
         "mlp.up_proj": colwise["mlp.up_proj"](),
         "mlp.down_proj": rowwise["mlp.down_proj"](output_layouts=Shard(1), use_local_output=False),
     }
-    # parallelize_module skips a name it cannot find, with only a warning: a model of another
-    # layout would train with some layers unsplit.
-    missing = [n for n in root_plan if not _has(model, n)] + [n for n in block_plan if not _has(blocks[0], n)]
-    if missing:
-        raise SystemExit(f"error: --tp-size: apply_tp's plan is for Llama-style blocks (see README); this one has no {missing}")
-    # The norms around attention and the MLP, wherever a family puts them (OLMo 2 has no input norm,
-    # Gemma 3 two more), on 1/tp of the tokens like Llama's.
-    for norm in ["input_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"]:
-        if _has(blocks[0], norm):
-            block_plan[norm] = SequenceParallel()
-    # Norms of each head's queries and keys (Qwen3, Gemma 3): each rank normalizes its own heads
-    # (dim 2 of their input), with the whole weight; SequenceParallel does that for any dim.
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    # Over all heads at once (OLMo 2), the ranks hold slices of the normalized width: SplitNorm.
-    for norm in ["self_attn.q_norm", "self_attn.k_norm"]:
-        if _has(blocks[0], norm) and blocks[0].get_submodule(norm).weight.numel() == head_dim:
-            block_plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        elif _has(blocks[0], norm):
-            block_plan[norm] = SplitNorm()
-    # Any other module with weights would stay outside the tp mesh, and fail at the first step.
-    in_blocks = {id(m) for block in blocks for m in block.modules()}
-    unknown = [n for n, m in model.named_modules() if _weighs(m) and id(m) not in in_blocks and n not in root_plan]
-    unknown += [n for n, m in blocks[0].named_modules() if _weighs(m) and n not in block_plan]
-    if unknown:
-        raise SystemExit(f"error: --tp-size: apply_tp's plan does not know these modules of the model: {unknown}")
+    # The norms other families add; and any module the plan does not name, refused (common/tp.py).
+    block_plan |= norm_plan(blocks[0], model.config)
+    check_plan(model, blocks, root_plan, block_plan)
     parallelize_module(model, tp_mesh, root_plan)
     for block in blocks:
         parallelize_module(block, tp_mesh, block_plan)
@@ -596,32 +557,6 @@ def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
         # Both were split over the vocabulary (dim 0) alike, but into two new parameters: tie them again.
         model.lm_head.weight = model.model.embed_tokens.weight
 
-
-class SplitNorm(ParallelStyle):
-    """A norm over the last dimension of an input that the tp ranks split (the columns of q or k): its
-    weight split alike, and its mean of squares over the whole width, which DTensor all-reduces."""
-
-    def _apply(self, module, mesh):
-        def split_weight(name, module, mesh):
-            for key, param in list(module.named_parameters(recurse=False)):
-                module.register_parameter(key, torch.nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
-
-        def split_input(module, inputs, mesh):
-            return tuple(DTensor.from_local(x, mesh, [Shard(x.dim() - 1)], run_check=False) for x in inputs)
-
-        return distribute_module(module, mesh, split_weight, split_input, lambda module, output, mesh: output.to_local())
-
-
-def _weighs(module) -> bool:
-    return next(module.parameters(recurse=False), None) is not None
-
-
-def _has(module, name) -> bool:
-    try:
-        module.get_submodule(name)
-        return True
-    except AttributeError:
-        return False
 
 
 def next_token_loss(logits, labels):
@@ -633,26 +568,60 @@ def next_token_loss(logits, labels):
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-def export_hf(model, config, tokenizer, folder, dtype, rank):
-    """Writes a folder that `from_pretrained` loads: the full weights, gathered onto rank 0's CPU.
+def init_distributed(args, device_type, local_rank):
+    """Joins this process to the job (torchrun said where to find the others), and returns its device:
+    the GPU of its local rank, or the CPU. A collective that waits longer than the timeout fails instead
+    of hanging forever."""
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # With --cpu-offload the shards and their gradients live on the CPU, and collectives over
+        # them (clipping's norm) need a CPU backend beside NCCL.
+        backend = "cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl"
+        dist.init_process_group(backend, timeout=timedelta(minutes=args.dist_timeout), device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
+    return device
 
-    Rank 0 alone converts and writes them while the other ranks wait at the barrier, for at most
-    --dist-timeout: a model of many GB on a slow disk may need more.
+
+def init_wandb(args, exp_dir, run_id):
+    """The run's wandb runs: one per rank (each rank's timings and memory are its own), grouped by job.
+    Their ids come from the checkpoint, as in chapter 01: a new run never continues an old one."""
+    rank = dist.get_rank()
+    wandb_dir = exp_dir / f"rank-{rank}"
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    wandb.init(
+        dir=wandb_dir,
+        id=f"{run_id}-{rank}",
+        name=f"{args.experiment_name}-rank-{rank}",
+        group=f"{args.experiment_name}-{run_id}",
+        resume="allow",
+        config=vars(args),
+        mode=wandb_mode(),
+    )
+
+
+def export_hf(model, config, tokenizer, folder, dtype):
+    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer.
+
+    The full weights are gathered onto rank 0's CPU, and rank 0 alone writes them, while the others
+    go on to the end of the job.
     """
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank == 0:
-        with torch.device("meta"):
-            export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        weights = {name: value.to(dtype) for name, value in weights_only(full_state).items()}
-        export_model.load_state_dict(weights, assign=True)
-        export_model.tie_weights()  # converted one by one, tied weights became two tensors again
-        export_model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        logger.info(f"Exported the model to {folder} in {dtype}")
-    dist.barrier()
+    if dist.get_rank() != 0:
+        return
+    with torch.device("meta"):
+        export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    weights = {name: value.to(dtype) for name, value in weights_only(full_state).items()}
+    export_model.load_state_dict(weights, assign=True)
+    export_model.tie_weights()  # converted one by one, tied weights became two tensors again
+    export_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    logger.info(f"Exported the model to {folder} in {dtype}")
 
 
-def evaluate(model, val_data, args, device, dp_mesh, fp8_autocast) -> float:
+def evaluate(model, val_data, args, device, autocast, dp_mesh) -> float:
     """The mean loss over the first --eval-batches global batches of the validation rows, without
     gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
     global_batch = dp_mesh.size() * args.batch_size
@@ -662,22 +631,22 @@ def evaluate(model, val_data, args, device, dp_mesh, fp8_autocast) -> float:
     sampler = DistributedSampler(rows, num_replicas=dp_mesh.size(), rank=dp_mesh.get_local_rank(), shuffle=False)
     total = torch.zeros((), device=device)
     model.eval()
-    with torch.no_grad(), loss_parallel():
+    with torch.no_grad(), autocast(), loss_parallel():
         for batch in DataLoader(rows, sampler=sampler, batch_size=args.batch_size):
-            with fp8_autocast():
-                logits = model(input_ids=batch["input_ids"].to(device), use_cache=False).logits
+            logits = model(input_ids=batch["input_ids"].to(device), use_cache=False).logits
             total += next_token_loss(logits, batch["labels"].to(device))
     model.train()
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_mesh.get_group())
     return total.item() / (len(rows) // args.batch_size)
 
 
-def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, rank, keep):
+def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep):
     """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position."""
     final_dir = checkpoint_dir(exp_dir, state["global_step"])
     # Written under a temporary name and renamed when complete: a crash mid-save leaves no
     # checkpoint that resume would trust.
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
+    rank = dist.get_rank()
     with saving(tmp_dir, state["global_step"]):
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -711,12 +680,6 @@ def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
         return json.loads((checkpoint / "state.json").read_text())
 
 
-def weights_only(model_state: dict) -> dict:
-    """The model's state without TE's extra state (FP8 scaling metadata, empty with current scaling):
-    a run resumes a checkpoint of either backend, and the export holds HF's weights alone."""
-    return {name: value for name, value in model_state.items() if not name.endswith("_extra_state")}
-
-
 def get_parser():
     parser = base_parser(__doc__, __file__)
     parser.add_argument(
@@ -737,13 +700,16 @@ def get_parser():
         help="torchao's float8 layers, or NVIDIA's Transformer Engine (CUDA, FSDP alone)",
     )
     parser.add_argument(
-        "--fp8-recipe",
-        choices=["tensorwise", "rowwise"],
-        default="tensorwise",
-        help="one FP8 scale per tensor, or per row",
+        "--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise", help="one FP8 scale per tensor, or per row"
     )
     parser.add_argument(
         "--fp8-emulate", action="store_true", help="emulate FP8 matmuls on hardware without them (CPU): no speed-up"
+    )
+    parser.add_argument(
+        "--fp8-layers",
+        choices=["fast", "all"],
+        help="the blocks' linear layers that FP8 makes faster, by torchao's thresholds on each GPU's slice, or all "
+        "that it can multiply (default: all with --fp8-emulate, fast otherwise)",
     )
     parser.add_argument(
         "--fp8-stats-every", type=non_negative_int, default=0, help="steps between FP8 precision statistics (0: never)"
@@ -754,18 +720,7 @@ def get_parser():
         default="world",
         help="the activations of all replicas combined, or each replica's own (a split tensor counts whole)",
     )
-    parser.add_argument(
-        "--fp8-layers",
-        choices=["fast", "all"],
-        help="the blocks' linear layers that FP8 makes faster, by torchao's thresholds on each GPU's slice, or all "
-        "that it can multiply (default: all with --fp8-emulate, fast otherwise)",
-    )
-    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     parser.add_argument("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
-    parser.add_argument("--export-hf", help="at the end, write the model and tokenizer here for from_pretrained")
-    parser.add_argument(
-        "--export-dtype", choices=["bfloat16", "float16", "float32"], help="default: the dtype in the model's config"
-    )
     return parser
 
 

@@ -43,6 +43,15 @@ fraction = _number(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 seq_length = _number(int, lambda v: v >= 2, "an integer >= 2 (a row of one token has no next token)")
 
 
+def export_folder(text):
+    if Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file: pass a folder to export into")
+    return text
+
+
+export_folder.__name__ = "a folder"
+
+
 def base_parser(doc: str, script: str) -> ArgumentParser:
     """Chapter 01's flags. `script` is the chapter's train_llm.py: its folder names the default run."""
     parser = ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,4 +83,11 @@ def base_parser(doc: str, script: str) -> ArgumentParser:
     parser.add_argument("--log-freq", type=positive_int, default=10)
     parser.add_argument("--ckpt-freq", type=positive_int, default=200)
     parser.add_argument("--keep-checkpoints", type=positive_int, default=2, help="the newest K checkpoints are kept")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    parser.add_argument(
+        "--export-hf", type=export_folder, help="at the end, write the model and tokenizer here for from_pretrained"
+    )
+    parser.add_argument(
+        "--export-dtype", choices=["bfloat16", "float16", "float32"], help="default: the dtype in the model's config"
+    )
     return parser

@@ -35,23 +35,40 @@ from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
 class Float8Stats:
-    """`start()` before a step's forward, and `stop()` after its backward and before the optimizer step
-    (the weights the step multiplied by), return the statistics of that step. Hooks exist only between
-    the two, and compiled code runs eagerly there (compiled graphs have no hooks), so steps without
-    statistics cost nothing.
+    """`start()` before a step's forward, and `stop()` after its backward, return the statistics of that
+    step. Hooks exist only between the two, and compiled code runs eagerly there (compiled graphs have
+    no hooks), so steps without statistics cost nothing.
 
     `group`: the ranks whose activations and gradients are combined (None: all), or `reduce=False`
     for each replica's own. A split tensor is always measured whole: the fractions are the same
     whichever ranks add up their counts."""
 
-    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None, device, reduce: bool = True):
+    def __init__(
+        self, model: torch.nn.Module, group: dist.ProcessGroup | None, device, reduce: bool = True, every: int = 0
+    ):
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
-        self.group, self.device, self.reduce = group, device, reduce
-        self.handles, self.values = [], {}
+        self.group, self.device, self.reduce, self.every = group, device, reduce, every
+        self.handles, self.values, self.step = [], {}, None
+
+    def begin(self, step: int) -> None:
+        """`start()`, if optimizer step number `step` is one of every `every` steps."""
+        if self.every and step % self.every == 0:
+            self.step = step
+            self.start()
+
+    def end(self) -> dict[str, float] | None:
+        """`stop()`'s statistics with their "step", after a step that `begin` started; otherwise None."""
+        step, self.step = self.step, None
+        return None if step is None else {"step": step, **self.stop()}
 
     def start(self) -> None:
         torch.compiler.set_stance("force_eager")
         self.values = {}
+        for name, module in self.layers.items():
+            # The weights this step multiplies by. With FP8 all-gathers, FSDP casts each shard with the
+            # scale precomputed for the whole weight.
+            precomputed = getattr(_local(module.weight), "_precomputed_scale", None)
+            self._measure(f"{name}/weight", module.weight, module.config.cast_config_weight, module, precomputed)
         for name, module in self.layers.items():
             # After TP's hook has laid the input out as the layer receives it (a DTensor under TP), and
             # (prepend) before TP's hook turns the output into a local piece: split tensors stay DTensors.
@@ -63,10 +80,6 @@ class Float8Stats:
             handle.remove()
         self.handles = []
         torch.compiler.set_stance("default")
-        for name, module in self.layers.items():
-            # With FP8 all-gathers, FSDP casts each shard with the scale precomputed for the whole weight.
-            precomputed = getattr(_local(module.weight), "_precomputed_scale", None)
-            self._measure(f"{name}/weight", module.weight, module.config.cast_config_weight, module, precomputed)
         keys = sorted(self.values)
         stats = torch.stack([self.values[key] for key in keys])  # one row per tensor: amax, underflow, saturated, count
         if self.reduce:
@@ -252,6 +265,13 @@ def fp8_left_out(args) -> str:
 def torchao_settings(args, device, use_compile: bool) -> bool:
     """Refuses what torchao's FP8 kernels cannot run, sets what compiling them needs and which layers
     go to FP8 (--fp8-layers), and returns whether to compile."""
+    # FP8 matmuls need compute capability 8.9 (Ada, Hopper) or newer. Elsewhere torchao emulates them:
+    # the same FP8 rounding, multiplied in high precision, for learning and testing; no speed-up.
+    if not args.fp8_emulate and not (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)):
+        raise SystemExit(
+            f"error: this {device.type} has no FP8 matmuls (an H100, L40S, RTX 4090 or newer has): "
+            "pass --fp8-emulate to emulate them, with no speed-up"
+        )
     if args.fp8_layers is None:  # emulation has no speed to lose: every layer FP8 can multiply shows its rounding
         args.fp8_layers = "all" if args.fp8_emulate else "fast"
     if args.fp8_stats_every and args.tp_size > 1 and args.fp8_recipe == "tensorwise" and device.type == "cuda":
@@ -281,9 +301,11 @@ def torchao_settings(args, device, use_compile: bool) -> bool:
     return use_compile
 
 
-def convert_to_te(blocks, te):
+def convert_to_te(blocks, te=None):
     """Transformer Engine's Linear in place of each FP8-able nn.Linear of the blocks, on the meta device
     (rank 0's weights are sent in later, as for the rest of the model)."""
+    if te is None:
+        import transformer_engine.pytorch as te
     for block in blocks:
         for name, linear in list(block.named_modules()):
             if isinstance(linear, torch.nn.Linear) and fp8_able(linear):
@@ -296,3 +318,9 @@ def convert_to_te(blocks, te):
                 )
                 parent, _, child = name.rpartition(".")
                 setattr(block.get_submodule(parent), child, te_linear)
+
+
+def weights_only(model_state: dict) -> dict:
+    """The model's state without TE's extra state (FP8 scaling metadata, empty with current scaling):
+    a run resumes a checkpoint of either backend, and the export holds HF's weights alone."""
+    return {name: value for name, value in model_state.items() if not name.endswith("_extra_state")}
