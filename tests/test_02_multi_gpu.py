@@ -6,7 +6,6 @@ import sys
 import time
 
 import pytest
-from common.plan import Layout
 from harness import (
     FAST_ARGS,
     REPO,
@@ -19,6 +18,8 @@ from harness import (
     run_chapter,
     wandb_run_record,
 )
+
+from tools.plan import Layout
 
 CHAPTER = "02-multi-gpu"
 STEPS = 12
@@ -245,9 +246,9 @@ def test_resume_on_other_ranks_with_the_same_global_batch(tmp_path, hf_home, str
 
 
 def test_plot_draws_the_runs_and_refuses_a_folder_without_metrics(tmp_path, chapter_01_run, straight_run):
-    """python -m common.plot, as the README prints it, on chapter 01's and chapter 02's runs."""
+    """python -m tools.plot, as the README prints it, on chapter 01's and chapter 02's runs."""
     png = tmp_path / "loss_curves.png"
-    plot = [sys.executable, "-m", "common.plot"]
+    plot = [sys.executable, "-m", "tools.plot"]
     proc = subprocess.run([*plot, str(chapter_01_run), str(straight_run), "--output", str(png)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr

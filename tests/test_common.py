@@ -10,7 +10,7 @@ import torch
 from harness import REPO
 
 from common import DEFAULT_MODEL, latest_checkpoint, load_and_pack, publish_checkpoint
-from common.diff import chapters, render_block, updated_readme
+from tools.diff import chapters, render_block, updated_readme
 
 
 def test_packing_keeps_every_token_in_order(tmp_path, monkeypatch):
@@ -114,7 +114,7 @@ def test_chapter_readmes_embed_their_current_diff():
         marker = f"<!-- diff: {previous.name}/train_llm.py {chapter.name}/train_llm.py -->"
         assert marker in readme, f"{chapter.name}/README.md must embed its diff against {previous.name}"
         assert updated_readme(readme) == readme, (
-            f"stale diff in {chapter.name}/README.md: run python -m common.diff --update"
+            f"stale diff in {chapter.name}/README.md: run python -m tools.diff --update"
         )
 
 
@@ -126,24 +126,24 @@ def test_stale_diff_is_detected():
 
 
 def test_diff_command():
-    proc = subprocess.run([sys.executable, "-m", "common.diff", "01", "2"], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "tools.diff", "01", "2"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0
     assert proc.stdout.startswith("--- a/01-single-gpu/train_llm.py\n+++ b/02-multi-gpu/train_llm.py\n")
     assert "\n+from torch.nn.parallel import DistributedDataParallel\n" in proc.stdout
 
 
 def test_diff_command_unknown_chapter():
-    proc = subprocess.run([sys.executable, "-m", "common.diff", "01", "42"], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "tools.diff", "01", "42"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode != 0 and "no chapter '42'" in proc.stderr
 
 
 def test_benchmark_prints_the_table(tmp_path):
     """One command, several runs: the header, then a row per run with the command that makes it alone."""
-    from common.benchmark import MARKDOWN_HEADER
+    from tools.benchmark import MARKDOWN_HEADER
 
     runs = {"01 --steps 20 -- --batch-size 2": ["01-single-gpu", "1", "1 × 1", "float32"],
             "05 --nproc 2 --steps 20 -- --tp-size 2": ["05-tensor-parallel", "2", "1 × 2", "float32"]}  # fmt: skip
-    cmd = [sys.executable, "-m", "common.benchmark", "--table", *runs]
+    cmd = [sys.executable, "-m", "tools.benchmark", "--table", *runs]
     env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -155,7 +155,7 @@ def test_benchmark_prints_the_table(tmp_path):
         assert row[:4] == cells, row
         assert re.fullmatch(r"[\d,]+", row[4]) and row[6] == "n/a" and re.fullmatch(r"\d+\.\d\d GiB", row[7]), row
         assert re.fullmatch(r"\d+/\d+/\d+", row[8]) and row[9].startswith("CPU"), row
-        assert row[10] == f"`python -m common.benchmark --markdown {run}`", row
+        assert row[10] == f"`python -m tools.benchmark --markdown {run}`", row
 
 
 def test_each_chapter_runs_in_its_own_folder_by_default():
@@ -186,7 +186,7 @@ def test_flops_per_token_counts_every_matmul_once_tied_or_not():
         assert flops_per_token(model, config, 128) == 6 * (layers * block + vocab * h) + attention
     # Llama-3.2-1B's shape (tied): all 1.236e9 parameters but the norms are matmul weights, the
     # embedding counted once, as the head; without the head, 21% of the FLOPs would go missing.
-    config = AutoConfig.from_pretrained(REPO / "common" / "llama_1b_shape")
+    config = AutoConfig.from_pretrained(REPO / "tools" / "llama_1b_shape")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert flops_per_token(model, config, 2048) == 6 * (1_235_814_400 - 33 * 2048) + 12 * 16 * 32 * 64 * 2048
@@ -271,7 +271,7 @@ def test_planner_counts_the_activations_hf_llama_saves(dtype, compiled):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from common.plan import activation_bytes
+    from tools.plan import activation_bytes
 
     config = LlamaConfig(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
@@ -311,7 +311,7 @@ def test_planner_counts_what_the_loss_backward_holds():
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from common.plan import loss_backward_bytes
+    from tools.plan import loss_backward_bytes
 
     class LiveBytes(TorchDispatchMode):
         def __init__(self):
@@ -355,7 +355,7 @@ def test_planner_counts_what_the_loss_backward_holds():
     ],
 )
 def test_planner_refuses_impossible_layouts(argv, words):
-    from common.plan import main
+    from tools.plan import main
 
     with pytest.raises(SystemExit) as exit:
         main([str(REPO / "common" / "tiny_llama"), *argv])
@@ -363,9 +363,9 @@ def test_planner_refuses_impossible_layouts(argv, words):
 
 
 def test_planner_prints_the_simplest_layout_that_fits(capsys):
-    from common.plan import main
+    from tools.plan import main
 
-    main([str(REPO / "common" / "llama_1b_shape"), "--gpus-per-node", "8", "--batch-size", "16", "--seq-length", "2048"])
+    main([str(REPO / "tools" / "llama_1b_shape"), "--gpus-per-node", "8", "--batch-size", "16", "--seq-length", "2048"])
     out = capsys.readouterr().out
     assert "DDP (01-03)" in out and "does not fit" in out
     assert "The simplest that fits: FSDP (04)" in out
@@ -375,8 +375,8 @@ def test_planner_matches_torchtitans_published_saving_from_more_gpus():
     """torchtitan's Llama 3.1 8B benchmark (pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Tables 1
     and 3): with FSDP at 2 x 8192 tokens per GPU, the peak per GPU is 15.0 to 15.4 GiB lower on 128 GPUs than on 8.
     The activations are the same on both: the difference is the training state that FSDP shards."""
-    from common.plan import GIB, Layout, count, plan
+    from tools.plan import GIB, Layout, count, plan
 
-    m = count(str(REPO / "common" / "model_shapes" / "llama-3.1-8b"))
+    m = count(str(REPO / "tools" / "model_shapes" / "llama-3.1-8b"))
     peak = {gpus: plan(m, Layout("FSDP", gpus), 2, 8192, 2, False)["total"] / GIB for gpus in [8, 128]}
     assert 0.9 * 15.0 < peak[8] - peak[128] < 15.4
