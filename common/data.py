@@ -9,7 +9,7 @@ import datasets
 import numpy as np
 import torch
 
-# The embedded default: a small generated task dataset (see common/make_tiny_default.py), loaded
+# The embedded default: a small generated task dataset (see tools/make_tiny_default.py), loaded
 # through the same calls as a Hub name.
 DEFAULT_DATASET = str(Path(__file__).parent / "tiny_tasks")
 

@@ -12,7 +12,7 @@ from transformers.models.auto.modeling_auto import (
 
 from common.data import looks_like_path
 
-# The embedded default: a tiny Llama config with its tokenizer (see common/make_tiny_default.py),
+# The embedded default: a tiny Llama config with its tokenizer (see tools/make_tiny_default.py),
 # loaded through the same calls as a Hub name.
 DEFAULT_MODEL = str(Path(__file__).parent / "tiny_llama")
 

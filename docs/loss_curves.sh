@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The picture in the README: chapters 01-06 on the tiny default, on the CPU, with the same global
-# batch of 8 rows and the same seed, 200 steps each, plotted by python -m common.plot.
+# batch of 8 rows and the same seed, 200 steps each, plotted by python -m tools.plot.
 #     bash docs/loss_curves.sh        # from the repo root; about 5 minutes on 2 cores
 set -euo pipefail
 out=$(mktemp -d)
@@ -12,4 +12,4 @@ for chapter in 02-multi-gpu 03-multi-node 04-fsdp; do
 done
 torchrun --standalone --nproc-per-node 2 05-tensor-parallel/train_llm.py "${common[@]}" --batch-size 8 --tp-size 2
 torchrun --standalone --nproc-per-node 2 06-fp8/train_llm.py "${common[@]}" --batch-size 4 --fp8-emulate
-python -m common.plot "$out"/0* --output docs/loss_curves.png
+python -m tools.plot "$out"/0* --output docs/loss_curves.png

@@ -128,8 +128,8 @@ def python_stacks(pid: int) -> str:
 
 def assert_state_as_planned(probe: Path, layout) -> None:
     """Rank 0's weights, gradients and AdamW moments, as PROBE_STATE_BYTES measured them, are what
-    python -m common.plan predicts for the tiny default model in `layout`, within 5%."""
-    from common.plan import count, plan
+    python -m tools.plan predicts for the tiny default model in `layout`, within 5%."""
+    from tools.plan import count, plan
 
     measured = json.loads(probe.read_text())
     predicted = plan(count(str(REPO / "common" / "tiny_llama")), layout, 4, 128, 4, fp8=False)

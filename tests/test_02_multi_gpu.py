@@ -1,15 +1,11 @@
 import json
 import re
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
-from common.plan import Layout
 from harness import (
     FAST_ARGS,
-    REPO,
     assert_state_as_planned,
     compiled_graphs,
     last_line,
@@ -19,6 +15,8 @@ from harness import (
     run_chapter,
     wandb_run_record,
 )
+
+from tools.plan import Layout
 
 CHAPTER = "02-multi-gpu"
 STEPS = 12
@@ -242,27 +240,3 @@ def test_resume_on_other_ranks_with_the_same_global_batch(tmp_path, hf_home, str
     resumed = run_chapter(CHAPTER, *args, "--batch-size", "8", nproc=1, hf_home=hf_home)
     assert "at step 6" in resumed.stderr
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / "ddp"), losses(straight_run))) <= 1e-5
-
-
-def test_plot_draws_the_runs_and_refuses_a_folder_without_metrics(tmp_path, chapter_01_run, straight_run):
-    """python -m common.plot, as the README prints it, on chapter 01's and chapter 02's runs."""
-    png = tmp_path / "loss_curves.png"
-    plot = [sys.executable, "-m", "common.plot"]
-    proc = subprocess.run([*plot, str(chapter_01_run), str(straight_run), "--output", str(png)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    from matplotlib.image import imread
-
-    height, width, _ = imread(png).shape
-    assert png.read_bytes().startswith(b"\x89PNG") and width > 100 and height > 100
-
-    empty = tmp_path / "no_run"
-    empty.mkdir()
-    proc = subprocess.run([*plot, str(empty), "--output", str(tmp_path / "none.png")], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode != 0
-    assert (
-        last_line(proc.stderr)
-        == f"error: {empty} has no metrics.jsonl: pass a run folder (--save-dir/--experiment-name)"
-    )
-    assert not (tmp_path / "none.png").exists()

@@ -3,7 +3,6 @@ import shutil
 
 import pytest
 import torch
-from common.plan import Layout
 from harness import (
     FAST_ARGS,
     REPO,
@@ -15,6 +14,8 @@ from harness import (
     read_metrics,
     run_chapter,
 )
+
+from tools.plan import Layout
 
 CHAPTER = "04-fsdp"
 STEPS = 12
@@ -75,7 +76,7 @@ def test_each_rank_holds_half(fsdp_run):
     params, moments = metrics["memory/params_gib"] * 2**30, metrics["memory/optimizer_gib"] * 2**30
     assert params == pytest.approx(NUM_PARAMS * 4 / 2, rel=0.05)
     assert moments == pytest.approx(2 * NUM_PARAMS * 4 / 2, rel=0.05)
-    # The planner (python -m common.plan) predicts them, and the gradients' shards.
+    # The planner (python -m tools.plan) predicts them, and the gradients' shards.
     assert_state_as_planned(fsdp_run / "state.json", Layout("FSDP", gpus=2))
 
 

@@ -15,7 +15,7 @@ from harness import (
     run_chapter,
 )
 
-from common.plan import Layout
+from tools.plan import Layout
 
 CHAPTER = "05-tensor-parallel"
 STEPS = 12
@@ -68,7 +68,7 @@ def test_2d_mesh_matches_ddp_and_shards_both_ways(ddp_reference, mesh_run):
     metrics = read_metrics(mesh_run / CHAPTER)[STEPS]
     assert metrics["memory/params_gib"] * 2**30 == pytest.approx(NUM_PARAMS * 4 / 4, rel=0.05)
     assert metrics["memory/optimizer_gib"] * 2**30 == pytest.approx(2 * NUM_PARAMS * 4 / 4, rel=0.05)
-    # As the planner (python -m common.plan) predicts them, and the gradients' shards.
+    # As the planner (python -m tools.plan) predicts them, and the gradients' shards.
     assert_state_as_planned(mesh_run / "state.json", Layout("FSDP x TP", gpus=4, tp=2))
 
 

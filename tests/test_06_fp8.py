@@ -440,7 +440,7 @@ def test_layers_go_to_fp8_by_the_slice_each_gpu_multiplies(recipe, tp, in_fp8):
     from common import transformer_blocks
     from common.fp8 import fp8_summary
 
-    config = AutoConfig.from_pretrained(REPO / "common" / "model_shapes" / "llama-3.1-8b")
+    config = AutoConfig.from_pretrained(REPO / "tools" / "model_shapes" / "llama-3.1-8b")
     config.num_hidden_layers = 2
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

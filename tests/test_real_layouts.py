@@ -8,7 +8,7 @@ traces what inductor would compile). Its model has Llama-3.1-8B's widths (hidden
 key/value heads, MLP 14336) and 2 blocks, so that torchao's thresholds choose its FP8 layers as
 they would for the real model, and a small vocabulary. What is checked: the local shapes of every
 weight and gradient, zero graph breaks, the collectives of a step by kind, group and bytes, FP8
-bytes where FP8 is all-gathered, and the bytes against what `python -m common.plan` predicts.
+bytes where FP8 is all-gathered, and the bytes against what `python -m tools.plan` predicts.
 """
 
 import collections
@@ -72,7 +72,7 @@ class Collectives(torch.utils._python_dispatch.TorchDispatchMode):
 def config_8b_widths():
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(REPO / "common" / "model_shapes" / "llama-3.1-8b")
+    config = AutoConfig.from_pretrained(REPO / "tools" / "model_shapes" / "llama-3.1-8b")
     config.num_hidden_layers, config.vocab_size, config.max_position_embeddings = 2, VOCAB, SEQ
     return config
 
@@ -139,7 +139,7 @@ def test_a_cluster_layout_built_on_one_cpu(chapter_name, dp, tp, fake_world, tmp
     from torch._dynamo.utils import counters
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from common.plan import Layout, count, plan
+    from tools.plan import Layout, count, plan
 
     fake_world(dp * tp)
     chapter, fp8 = load(chapter_name), chapter_name == "06-fp8"

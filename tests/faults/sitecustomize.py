@@ -26,7 +26,7 @@ PROBE_COMPILE_COUNTS=path       after every optimizer step of rank 0, append to 
 PROBE_STATE_BYTES=path          at the first optimizer step of rank 0, write to `path` a JSON object
                                 with the bytes of its weights, gradients (DDP's all-reduce buckets
                                 included) and AdamW's moments: each storage once, a sharded tensor
-                                (DTensor) by its local piece. What python -m common.plan predicts.
+                                (DTensor) by its local piece. What python -m tools.plan predicts.
 PROBE_SCALED_MM_SHAPES=1        every emulated FP8 matmul (torchao, --fp8-emulate) first runs torch._scaled_mm
                                 on meta tensors of its operands: fails where an H100's kernel would, on shapes
                                 (scaled_mm_shapes.py).

@@ -1,7 +1,7 @@
 """Will it fit, and what will it send? Memory and communication per GPU for a model and a layout.
 
-    python -m common.plan meta-llama/Llama-3.1-8B --gpus-per-node 8 --batch-size 2 --seq-length 4096
-    python -m common.plan meta-llama/Llama-3.1-70B --nodes 4 --tp-size 8 --activation-checkpointing
+    python -m tools.plan meta-llama/Llama-3.1-8B --gpus-per-node 8 --batch-size 2 --seq-length 4096
+    python -m tools.plan meta-llama/Llama-3.1-70B --nodes 4 --tp-size 8 --activation-checkpointing
 
 It reads only the model's config (a Hub name or a local folder), builds the model on the meta device
 to count its parameters, and prints, for the layout given and for the chapters' other layouts, the

@@ -1,7 +1,7 @@
 """Each chapter's lesson is the diff of its train_llm.py against the previous chapter's.
 
-    python -m common.diff 01 02      # print the diff between chapters 01 and 02
-    python -m common.diff --update   # rewrite the diff embedded in every chapter README
+    python -m tools.diff 01 02      # print the diff between chapters 01 and 02
+    python -m tools.diff --update   # rewrite the diff embedded in every chapter README
 
 A chapter README embeds its diff between two markers, which `--update` rewrites and the test
 suite checks, so the diff a reader sees is never stale:

@@ -1,6 +1,6 @@
 """Loss curves without W&B: one PNG from the metrics.jsonl of one or more runs.
 
-    python -m common.plot outputs/01-single-gpu outputs/02-multi-gpu --output loss_curves.png
+    python -m tools.plot outputs/01-single-gpu outputs/02-multi-gpu --output loss_curves.png
 
 Each argument is a run folder (--save-dir/--experiment-name). The picture has two panels, training
 loss (validation loss as dots) and tokens/s, against the step, a line per run. Needs matplotlib:
@@ -41,7 +41,7 @@ def main(argv=None) -> None:
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("error: python -m common.plot needs matplotlib: pip install -e '.[plot]'") from None
+        raise SystemExit("error: python -m tools.plot needs matplotlib: pip install -e '.[plot]'") from None
 
     # Runs are named by their folder, and by its parent too where two folders share a name.
     names = [folder.name for folder in runs]

@@ -1,16 +1,16 @@
 """Measures a chapter: tokens/s, MFU (on GPUs the peak is known for) and peak memory.
 
-    python -m common.benchmark 01 --steps 200
-    python -m common.benchmark 02 --nproc 2 --steps 200 -- --batch-size 4
-    python -m common.benchmark 02 --nproc gpu -- --model-name meta-llama/Llama-3.2-1B --seq-length 2048
-    python -m common.benchmark 01 --steps 40 -- --model-name common/llama_1b_shape --seq-length 2048 --batch-size 8
-    python -m common.benchmark 05 --nproc 2 --markdown -- --tp-size 2     # a row of BENCHMARKS.md's table
-    python -m common.benchmark --table "01 --steps 60" "05 --nproc 2 --steps 60 -- --tp-size 2"
+    python -m tools.benchmark 01 --steps 200
+    python -m tools.benchmark 02 --nproc 2 --steps 200 -- --batch-size 4
+    python -m tools.benchmark 02 --nproc gpu -- --model-name meta-llama/Llama-3.2-1B --seq-length 2048
+    python -m tools.benchmark 01 --steps 40 -- --model-name tools/llama_1b_shape --seq-length 2048 --batch-size 8
+    python -m tools.benchmark 05 --nproc 2 --markdown -- --tp-size 2     # a row of BENCHMARKS.md's table
+    python -m tools.benchmark --table "01 --steps 60" "05 --nproc 2 --steps 60 -- --tp-size 2"
 
 Runs the chapter's train_llm.py as users do (`python`, or `torchrun --standalone` with --nproc), into
 a temporary folder with wandb disabled, then summarizes its metrics.jsonl. The first two log
 intervals are left out: they hold torch.compile's warm-up and the allocator's first growth.
-`common/llama_1b_shape` is Llama-3.2-1B's shape with the embedded tokenizer: no download needed.
+`tools/llama_1b_shape` is Llama-3.2-1B's shape with the embedded tokenizer: no download needed.
 
 --table, given first, takes several runs, each quoted as one argument, and prints the table: its
 header, then one row per run, each with the --markdown command that makes that row alone. The
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from common.diff import chapter
+from tools.diff import chapter
 
 
 def main() -> None:
@@ -127,7 +127,7 @@ def markdown_row(script, args, train_args, measured, device, argv) -> str:
     peaks = [k for k in measured[-1] if k.startswith("memory/peak")]
     memory = f"{max(r[peaks[0]] for r in measured):.2f} GiB" if peaks else "n/a"
     phases = "/".join(f"{statistics.median(r[f'time/{p}_ms'] for r in measured):.0f}" for p in ["forward", "backward", "optimizer"])
-    command = f"python -m common.benchmark {shlex.join(argv)}"
+    command = f"python -m tools.benchmark {shlex.join(argv)}"
     cells = [script.parent.name, processes, f"{processes // tp} × {tp}", dtype, f"{tokens:,.0f}",
              f"{tokens / processes:,.0f}", mfu, memory, phases, device, f"`{command}`"]  # fmt: skip
     return "| " + " | ".join(str(c) for c in cells) + " |"

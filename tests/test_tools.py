@@ -1,0 +1,227 @@
+"""The guide's tools (tools/): the chapter differ, the benchmark, the planner and the plot. The chapters'
+run-time code in common/ is tested in test_common.py."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from harness import FAST_ARGS, REPO, last_line, run_chapter
+
+from tools.diff import chapters, render_block, updated_readme
+
+
+@pytest.fixture(scope="module")
+def straight_run(ddp_reference):
+    """Chapter 02 on 2 ranks (tests/conftest.py)."""
+    return ddp_reference
+
+
+@pytest.fixture(scope="module")
+def chapter_01_run(tmp_path_factory, hf_home):
+    """Chapter 01 with chapter 02's global batch (2 ranks x 4 rows), as in test_02_multi_gpu.py."""
+    save_dir = tmp_path_factory.mktemp("chapter_01")
+    args = [*FAST_ARGS, "--batch-size", "8", "--max-steps", "12", "--save-dir", str(save_dir)]
+    run_chapter("01-single-gpu", *args, hf_home=hf_home)
+    return save_dir / "01-single-gpu"
+
+
+def test_chapter_readmes_embed_their_current_diff():
+    found = chapters()
+    assert found[0].name == "01-single-gpu"
+    for previous, chapter in zip(found, found[1:]):
+        readme = (chapter / "README.md").read_text()
+        marker = f"<!-- diff: {previous.name}/train_llm.py {chapter.name}/train_llm.py -->"
+        assert marker in readme, f"{chapter.name}/README.md must embed its diff against {previous.name}"
+        assert updated_readme(readme) == readme, (
+            f"stale diff in {chapter.name}/README.md: run python -m tools.diff --update"
+        )
+
+
+def test_stale_diff_is_detected():
+    current = render_block("01-single-gpu/train_llm.py", "tests/harness.py")
+    assert updated_readme(f"intro\n{current}\nmore") == f"intro\n{current}\nmore"
+    stale = current.replace("+", "-", 3)
+    assert updated_readme(f"intro\n{stale}\nmore") == f"intro\n{current}\nmore"
+
+
+def test_diff_command():
+    proc = subprocess.run([sys.executable, "-m", "tools.diff", "01", "2"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("--- a/01-single-gpu/train_llm.py\n+++ b/02-multi-gpu/train_llm.py\n")
+    assert "\n+from torch.nn.parallel import DistributedDataParallel\n" in proc.stdout
+
+
+def test_diff_command_unknown_chapter():
+    proc = subprocess.run([sys.executable, "-m", "tools.diff", "01", "42"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode != 0 and "no chapter '42'" in proc.stderr
+
+
+def test_benchmark_prints_the_table(tmp_path):
+    """One command, several runs: the header, then a row per run with the command that makes it alone."""
+    from tools.benchmark import MARKDOWN_HEADER
+
+    runs = {"01 --steps 20 -- --batch-size 2": ["01-single-gpu", "1", "1 × 1", "float32"],
+            "05 --nproc 2 --steps 20 -- --tp-size 2": ["05-tensor-parallel", "2", "1 × 2", "float32"]}  # fmt: skip
+    cmd = [sys.executable, "-m", "tools.benchmark", "--table", *runs]
+    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert "\n".join(lines[:2]) == MARKDOWN_HEADER and len(lines) == 2 + len(runs), proc.stdout
+    for line, (run, cells) in zip(lines[2:], runs.items()):
+        row = [cell.strip() for cell in line.strip("|").split("|")]
+        assert len(row) == MARKDOWN_HEADER.splitlines()[0].count("|") - 1, row
+        assert row[:4] == cells, row
+        assert re.fullmatch(r"[\d,]+", row[4]) and row[6] == "n/a" and re.fullmatch(r"\d+\.\d\d GiB", row[7]), row
+        assert re.fullmatch(r"\d+/\d+/\d+", row[8]) and row[9].startswith("CPU"), row
+        assert row[10] == f"`python -m tools.benchmark --markdown {run}`", row
+
+
+@pytest.mark.parametrize(
+    "dtype, compiled",
+    [("float32", False), ("bfloat16", False), ("bfloat16", True)],
+    ids=["fp32", "bf16", "bf16-compiled"],
+)
+def test_planner_counts_the_activations_hf_llama_saves(dtype, compiled):
+    """The planner's activation formula against the bytes HF's Llama really keeps for backward (the
+    tensors autograd saves, weights excluded), on the CPU, at Llama-3.2-1B's width with 2 blocks: eager,
+    and with each block compiled as the chapters do on GPUs. The backend partitions forward and
+    backward as inductor does (which ops backward recomputes), without generating kernels."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tools.plan import activation_bytes
+
+    config = LlamaConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=512, max_position_embeddings=256,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    if compiled:
+        for block in model.model.layers:
+            block.compile(backend="aot_eager_decomp_partition")
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    input_ids = torch.randint(0, 512, (2, 128))
+    model(input_ids=input_ids, labels=input_ids, use_cache=False)  # compiles, when compiled
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=input_ids, labels=input_ids, use_cache=False)
+    widths = {"hidden": 2048, "kv": 512, "mlp": 8192, "vocab": 512, "layers": 2}
+    compute_bytes = 4 if dtype == "float32" else 2
+    predicted = activation_bytes(widths, 2 * 128, 1, False, compute_bytes, compiled)
+    assert sum(saved.values()) == pytest.approx(predicted, rel=0.01)
+
+
+def test_planner_counts_what_the_loss_backward_holds():
+    """At the start of the loss's backward, where a step peaks, the bytes of all tensors alive beside the
+    log-softmax the planner counts as kept: its gradient and the logits', fp32, 8 bytes per logit. Counted
+    by following every tensor the loss's forward and backward make, as the chapters compute it (bf16
+    logits dropped once the loss has them, HF's loss)."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from tools.plan import loss_backward_bytes
+
+    class LiveBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live, self.peak, self.alive = 0, 0, set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                storage = tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else None
+                if storage is not None and storage.data_ptr() not in self.alive:
+                    self.alive.add(storage.data_ptr())
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self.free, storage.data_ptr(), storage.nbytes())
+            return out
+
+        def free(self, pointer, nbytes):
+            self.alive.discard(pointer)
+            self.live -= nbytes
+
+    tokens, vocab, hidden = 256, 32000, 64
+    h = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, tokens))
+    with LiveBytes() as counted:
+        loss = ForCausalLMLoss(h @ w.t(), labels, vocab)
+        loss.backward()
+    log_softmax = tokens * vocab * 4
+    gradients = 2 * (h.numel() + w.numel())
+    widths = {"vocab": vocab}
+    assert counted.peak - log_softmax - gradients == pytest.approx(loss_backward_bytes(widths, tokens, 1), rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--gpus-per-node", "8", "--tp-size", "3"], "--tp-size 3 must divide the 8 GPUs"),
+        (["--gpus-per-node", "2", "--tp-size", "4"], "fit in a node of 2"),
+        (["--gpus-per-node", "16", "--tp-size", "16"], "must divide the model's attention heads (8)"),
+    ],
+)
+def test_planner_refuses_impossible_layouts(argv, words):
+    from tools.plan import main
+
+    with pytest.raises(SystemExit) as exit:
+        main([str(REPO / "common" / "tiny_llama"), *argv])
+    assert str(exit.value.code).startswith("error: ") and words in str(exit.value.code)
+
+
+def test_planner_prints_the_simplest_layout_that_fits(capsys):
+    from tools.plan import main
+
+    main([str(REPO / "tools" / "llama_1b_shape"), "--gpus-per-node", "8", "--batch-size", "16", "--seq-length", "2048"])
+    out = capsys.readouterr().out
+    assert "DDP (01-03)" in out and "does not fit" in out
+    assert "The simplest that fits: FSDP (04)" in out
+
+
+def test_planner_matches_torchtitans_published_saving_from_more_gpus():
+    """torchtitan's Llama 3.1 8B benchmark (pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md, Tables 1
+    and 3): with FSDP at 2 x 8192 tokens per GPU, the peak per GPU is 15.0 to 15.4 GiB lower on 128 GPUs than on 8.
+    The activations are the same on both: the difference is the training state that FSDP shards."""
+    from tools.plan import GIB, Layout, count, plan
+
+    m = count(str(REPO / "tools" / "model_shapes" / "llama-3.1-8b"))
+    peak = {gpus: plan(m, Layout("FSDP", gpus), 2, 8192, 2, False)["total"] / GIB for gpus in [8, 128]}
+    assert 0.9 * 15.0 < peak[8] - peak[128] < 15.4
+
+
+def test_plot_draws_the_runs_and_refuses_a_folder_without_metrics(tmp_path, chapter_01_run, straight_run):
+    """python -m tools.plot, as the README prints it, on chapter 01's and chapter 02's runs."""
+    png = tmp_path / "loss_curves.png"
+    plot = [sys.executable, "-m", "tools.plot"]
+    proc = subprocess.run([*plot, str(chapter_01_run), str(straight_run), "--output", str(png)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    from matplotlib.image import imread
+
+    height, width, _ = imread(png).shape
+    assert png.read_bytes().startswith(b"\x89PNG") and width > 100 and height > 100
+
+    empty = tmp_path / "no_run"
+    empty.mkdir()
+    proc = subprocess.run([*plot, str(empty), "--output", str(tmp_path / "none.png")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    assert (
+        last_line(proc.stderr)
+        == f"error: {empty} has no metrics.jsonl: pass a run folder (--save-dir/--experiment-name)"
+    )
+    assert not (tmp_path / "none.png").exists()
