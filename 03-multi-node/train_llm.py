@@ -29,44 +29,16 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM
 
-from common import (
-    NonFiniteGuard,
-    PhaseTimers,
-    StopSignal,
-    adamw_param_groups,
-    base_parser,
-    check_resume,
-    check_save_dir,
-    checkpoint_dir,
-    flops_per_token,
-    latest_checkpoint,
-    load_and_pack,
-    load_config_and_tokenizer,
-    loading,
-    log_metrics,
-    memory_stats,
-    peak_bf16_flops,
-    positive_float,
-    publish_checkpoint,
-    rank0_first,
-    record,
-    rng_state,
-    saving,
-    set_rng_state,
-    setup_logging,
-    wandb_mode,
-    warmup_cosine,
-)
+import common
 
 logger = logging.getLogger(__name__)
 
 
-@record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
+@common.record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
 def main():
     # --- 1. Setup: flags, device, precision ---
-    # What the imports made (~370k objects of torch, transformers, datasets) lives as long as the
-    # process: the garbage collector need never scan it again. Its full scans take ~0.3 s each, in the
-    # middle of steps, and one more at exit: a sixth of the CPU time of a short run.
+    # The ~370k objects the imports made live as long as the process: the garbage collector need never
+    # scan them again (each full scan takes ~0.3 s, mid-step; together a sixth of a short run's CPU time).
     gc.freeze()
     args = get_parser().parse_args()
     if "RANK" not in os.environ:
@@ -76,7 +48,9 @@ def main():
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     # Rank 0 speaks for the job; the others only report warnings and errors. Across nodes, the
     # host name says where a rank runs: ranks are not assigned in the order of a host list.
-    setup_logging(prefix=f"[{socket.gethostname()} rank={rank}] ", level=logging.INFO if rank == 0 else logging.WARNING)
+    common.setup_logging(
+        prefix=f"[{socket.gethostname()} rank={rank}] ", level=logging.INFO if rank == 0 else logging.WARNING
+    )
     logger.info(args)
     # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
@@ -93,16 +67,16 @@ def main():
 
     # --- 2. Config and tokenizer ---
     # Everything that can fail on bad input happens before anything is written.
-    check_save_dir(args.save_dir)
-    with rank0_first(local=args.node_local_cache):
-        config, tokenizer = load_config_and_tokenizer(args.model_name, args.seq_length)
+    common.check_save_dir(args.save_dir)
+    with common.rank0_first(local=args.node_local_cache):
+        config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
     # The export is in the dtype the model was published in (bf16 for most), not in training's fp32.
     # Read it now: building the model in fp32 overwrites config.dtype.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
     # --- 3. Data: tokenized, packed into rows, validation rows held out ---
-    with rank0_first(local=args.node_local_cache):
-        train_data, val_data = load_and_pack(args.dataset_name, tokenizer, args.seq_length, args.val_fraction)
+    with common.rank0_first(local=args.node_local_cache):
+        train_data, val_data = common.load_and_pack(args.dataset_name, tokenizer, args.seq_length, args.val_fraction)
     # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows on every rank.
     global_batch_rows = world_size * args.batch_size * args.grad_accum_steps
     steps_per_epoch = len(train_data) // global_batch_rows
@@ -121,7 +95,7 @@ def main():
     torch.manual_seed(args.seed)
     if args.from_pretrained:
         try:
-            with rank0_first(local=args.node_local_cache):
+            with common.rank0_first(local=args.node_local_cache):
                 model = AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
         except OSError as err:
             raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
@@ -136,12 +110,12 @@ def main():
 
     # --- 5. Optimizer and LR schedule ---
     optimizer = torch.optim.AdamW(
-        adamw_param_groups(model, args.weight_decay),
+        common.adamw_param_groups(model, args.weight_decay),
         lr=args.lr,
         betas=(0.9, args.beta2),
         fused=device.type == "cuda",
     )
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup_steps, total_steps))
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, common.warmup_cosine(args.warmup_steps, total_steps))
 
     # --- 6. Resume from the last checkpoint, if there is one ---
     exp_dir = Path(args.save_dir) / args.experiment_name
@@ -150,16 +124,9 @@ def main():
     # One wandb id for the job, drawn by rank 0: every rank must name its run after the same id.
     wandb_run_id = [secrets.token_hex(4)]
     dist.broadcast_object_list(wandb_run_id, src=0)
-    state = {
-        "epoch": 0,
-        "epoch_step": 0,
-        "global_step": 0,
-        "running_loss": 0.0,  # summed since the last log line: a resumed run logs the same mean
-        "steps_since_log": 0,
-        "wandb_run_id": wandb_run_id[0],
-        **layout,
-    }
-    checkpoint = latest_checkpoint(exp_dir)
+    state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": wandb_run_id[0], **layout}
+    state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log line: a resumed run logs the same mean
+    checkpoint = common.latest_checkpoint(exp_dir)
     # Every rank must resume from the same step. A --save-dir on each node's own disk would let
     # the ranks of other nodes silently start over: check against what rank 0 sees.
     rank0_checkpoint = [checkpoint]
@@ -171,7 +138,7 @@ def main():
         )
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
-        check_resume(checkpoint, state, layout)
+        common.check_resume(checkpoint, state, layout)
         logger.info(f"Resumed from {checkpoint} at step {state['global_step']}")
 
     # DDP makes every rank start from rank 0's weights and averages the gradients across ranks
@@ -187,11 +154,11 @@ def main():
     init_wandb(args, exp_dir, state["wandb_run_id"])
 
     tokens_per_step = global_batch_rows * args.seq_length
-    flops_per_step = tokens_per_step * flops_per_token(model, config, args.seq_length)
-    peak_flops = peak_bf16_flops(device)
-    timers = PhaseTimers(device)
-    guard = NonFiniteGuard(device)
-    stop = StopSignal()
+    flops_per_step = tokens_per_step * common.flops_per_token(model, config, args.seq_length)
+    peak_flops = common.peak_bf16_flops(device)
+    timers = common.PhaseTimers(device)
+    guard = common.NonFiniteGuard(device)
+    stop = common.StopSignal()
     postfix = {}  # what the progress bar shows after the counts
     running_loss = state["running_loss"]
     steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
@@ -216,24 +183,20 @@ def main():
             # On resume, the batches this epoch already trained on are skipped by index, never loaded.
             indices = list(sampler)[state["epoch_step"] * global_batch_rows // world_size :]
             dataloader = DataLoader(
-                train_data,
-                sampler=indices,
-                batch_size=args.batch_size,
-                drop_last=True,
-                pin_memory=device.type == "cuda",
+                train_data, args.batch_size, sampler=indices, drop_last=True, pin_memory=device.type == "cuda"
             )
             batches = iter(dataloader)
 
             for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
-                step_loss, grad_norm = train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device)
+                loss, grad_norm = train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device)
 
                 state["global_step"] += 1
                 state["epoch_step"] += 1
                 progress.update()
                 # Accumulated on the device: calling .item() every step would wait for the GPU every step.
-                running_loss += step_loss
+                running_loss += loss
                 steps_since_log += 1
-                guard.update(state["global_step"], step_loss, grad_norm)
+                guard.update(state["global_step"], loss, grad_norm)
 
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.agreed(device)
@@ -249,18 +212,18 @@ def main():
                         "grad_norm": grad_norm.item(),
                         "tokens_per_s": steps_since_log * tokens_per_step / elapsed,
                         **timings,
-                        **memory_stats(device),
+                        **common.memory_stats(device),
                     }
                     if peak_flops:
                         metrics["mfu"] = steps_since_log * flops_per_step / elapsed / (world_size * peak_flops)
-                    log_metrics(metrics, metrics_file)
+                    common.log_metrics(metrics, metrics_file)
                     postfix.update(loss=f"{metrics['loss']:.3f}", tokens_per_s=f"{metrics['tokens_per_s']:.0f}")
                     progress.set_postfix(postfix)
                     running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
                 if val_data is not None and not stopping and due(args.eval_every):
                     val_loss = evaluate(model, val_data, args, device, autocast)
-                    log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
+                    common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
                     log_start = time.perf_counter()  # evaluating is not training: keep it out of tokens/s
@@ -286,16 +249,16 @@ def main():
     # --- 8. Export ---
     if args.export_hf and not stopping and rank == 0:
         export_hf(model.module, config, tokenizer, args.export_hf, export_dtype)
-    if not stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
-        wandb.finish()
-    if stopping:
+    if stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
         logger.info(f"Stopped by {stopping} at step {state['global_step']}: rerun the same command to resume")
     else:
+        wandb.finish()
         logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
     # The model holds the process group (DDP's reducer does): freed after destroy_process_group, it would free
     # the group itself, holding the GIL that gloo's threads may still need, and hang at exit (pytorch#75097).
     del model
     dist.destroy_process_group()
+
 
 def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device):
     """One optimizer step on --grad-accum-steps micro-batches from `batches`. Returns the step's loss
@@ -357,7 +320,7 @@ def init_wandb(args, exp_dir, run_id):
         group=f"{args.experiment_name}-{run_id}",
         resume="allow",
         config=vars(args),
-        mode=wandb_mode(),
+        mode=common.wandb_mode(),
     )
 
 
@@ -392,36 +355,39 @@ def evaluate(model, val_data, args, device, autocast) -> float:
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep):
     """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position."""
-    final_dir = checkpoint_dir(exp_dir, state["global_step"])
+    final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
     # Written under a temporary name and renamed when complete: a crash mid-save leaves no
     # checkpoint that resume would trust.
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
-    with saving(tmp_dir, state["global_step"]):
+    with common.saving(tmp_dir, state["global_step"]):
         shutil.rmtree(tmp_dir, ignore_errors=True)
         tmp_dir.mkdir(parents=True)
         torch.save(model.state_dict(), tmp_dir / "model.pt")
         torch.save(optimizer.state_dict(), tmp_dir / "optimizer.pt")
         torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
         # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
-        torch.save(rng_state(device), tmp_dir / "rng.pt")
+        torch.save(common.rng_state(device), tmp_dir / "rng.pt")
         (tmp_dir / "state.json").write_text(json.dumps(state))
-        publish_checkpoint(tmp_dir, final_dir, keep)
+        common.publish_checkpoint(tmp_dir, final_dir, keep)
     logger.info(f"Saved {final_dir}")
 
 
 def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
-    with loading(checkpoint):
+    with common.loading(checkpoint):
         model.load_state_dict(torch.load(checkpoint / "model.pt", map_location=device))
         optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", map_location=device))
         lr_scheduler.load_state_dict(torch.load(checkpoint / "lr_scheduler.pt"))
-        set_rng_state(torch.load(checkpoint / "rng.pt"), device)
+        common.set_rng_state(torch.load(checkpoint / "rng.pt"), device)
         return json.loads((checkpoint / "state.json").read_text())
 
 
 def get_parser():
-    parser = base_parser(__doc__, __file__)
+    parser = common.base_parser(__doc__, __file__)
     parser.add_argument(
-        "--dist-timeout", type=positive_float, default=10, help="minutes a collective may wait before the job fails"
+        "--dist-timeout",
+        type=common.positive_float,
+        default=10,
+        help="minutes a collective may wait before the job fails",
     )
     parser.add_argument(
         "--node-local-cache",

@@ -47,49 +47,18 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM
 
-from common import (
-    NonFiniteGuard,
-    PhaseTimers,
-    StopSignal,
-    adamw_param_groups,
-    base_parser,
-    check_resume,
-    check_save_dir,
-    checkpoint_dir,
-    flops_per_token,
-    latest_checkpoint,
-    load_and_pack,
-    load_config_and_tokenizer,
-    loading,
-    log_metrics,
-    memory_stats,
-    peak_bf16_flops,
-    positive_float,
-    positive_int,
-    publish_checkpoint,
-    rank0_first,
-    record,
-    rng_state,
-    saving,
-    set_rng_state,
-    setup_logging,
-    shard_memory,
-    transformer_blocks,
-    wandb_mode,
-    warmup_cosine,
-)
+import common
+from common import tp
 
-from common.tp import check_plan, check_tp_size, has_module, norm_plan
 
 logger = logging.getLogger(__name__)
 
 
-@record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
+@common.record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
 def main():
     # --- 1. Setup: flags, device, precision ---
-    # What the imports made (~370k objects of torch, transformers, datasets) lives as long as the
-    # process: the garbage collector need never scan it again. Its full scans take ~0.3 s each, in the
-    # middle of steps, and one more at exit: a sixth of the CPU time of a short run.
+    # The ~370k objects the imports made live as long as the process: the garbage collector need never
+    # scan them again (each full scan takes ~0.3 s, mid-step; together a sixth of a short run's CPU time).
     gc.freeze()
     args = get_parser().parse_args()
     if "RANK" not in os.environ:
@@ -99,7 +68,9 @@ def main():
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     # Rank 0 speaks for the job; the others only report warnings and errors. Across nodes, the
     # host name says where a rank runs: ranks are not assigned in the order of a host list.
-    setup_logging(prefix=f"[{socket.gethostname()} rank={rank}] ", level=logging.INFO if rank == 0 else logging.WARNING)
+    common.setup_logging(
+        prefix=f"[{socket.gethostname()} rank={rank}] ", level=logging.INFO if rank == 0 else logging.WARNING
+    )
     logger.info(args)
     # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
@@ -128,17 +99,17 @@ def main():
 
     # --- 2. Config and tokenizer ---
     # Everything that can fail on bad input happens before anything is written.
-    check_save_dir(args.save_dir)
-    with rank0_first(local=args.node_local_cache):
-        config, tokenizer = load_config_and_tokenizer(args.model_name, args.seq_length)
+    common.check_save_dir(args.save_dir)
+    with common.rank0_first(local=args.node_local_cache):
+        config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
     # The export is in the dtype the model was published in (bf16 for most), not in training's fp32.
     # Read it now: building the model in fp32 overwrites config.dtype.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
-    check_tp_size(args.tp_size, config, args.seq_length)  # whole heads on each rank, and whole tokens
+    tp.check_tp_size(args.tp_size, config, args.seq_length)  # whole heads on each rank, and whole tokens
 
     # --- 3. Data: tokenized, packed into rows, validation rows held out ---
-    with rank0_first(local=args.node_local_cache):
-        train_data, val_data = load_and_pack(args.dataset_name, tokenizer, args.seq_length, args.val_fraction)
+    with common.rank0_first(local=args.node_local_cache):
+        train_data, val_data = common.load_and_pack(args.dataset_name, tokenizer, args.seq_length, args.val_fraction)
     # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows on every dp
     # replica; the ranks of a tp group share their replica's rows.
     global_batch_rows = dp_size * args.batch_size * args.grad_accum_steps
@@ -162,7 +133,7 @@ def main():
         try:
             # Rank 0 alone loads (a first run downloads): the others wait on the job's store, for as
             # long as it takes (rank0_first), not in a collective that would time out.
-            with rank0_first():
+            with common.rank0_first():
                 if rank == 0:
                     full_model = AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
         except OSError as err:
@@ -174,7 +145,7 @@ def main():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Found once, now: fully_shard changes each block's class, and then the names would not match.
-    blocks = transformer_blocks(model)
+    blocks = common.transformer_blocks(model)
     parallelize(model, blocks, mesh, args, dtype, use_compile)
     model.to_empty(device="cpu" if args.cpu_offload else device)
     send_full_weights(model, full_model, device)
@@ -184,12 +155,12 @@ def main():
 
     # --- 5. Optimizer and LR schedule ---
     optimizer = torch.optim.AdamW(
-        adamw_param_groups(model, args.weight_decay),
+        common.adamw_param_groups(model, args.weight_decay),
         lr=args.lr,
         betas=(0.9, args.beta2),
         fused=device.type == "cuda" and not args.cpu_offload,
     )
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup_steps, total_steps))
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, common.warmup_cosine(args.warmup_steps, total_steps))
 
     # --- 6. Resume from the last checkpoint, if there is one ---
     exp_dir = Path(args.save_dir) / args.experiment_name
@@ -198,16 +169,9 @@ def main():
     # One wandb id for the job, drawn by rank 0: every rank must name its run after the same id.
     wandb_run_id = [secrets.token_hex(4)]
     dist.broadcast_object_list(wandb_run_id, src=0)
-    state = {
-        "epoch": 0,
-        "epoch_step": 0,
-        "global_step": 0,
-        "running_loss": 0.0,  # summed since the last log line: a resumed run logs the same mean
-        "steps_since_log": 0,
-        "wandb_run_id": wandb_run_id[0],
-        **layout,
-    }
-    checkpoint = latest_checkpoint(exp_dir)
+    state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": wandb_run_id[0], **layout}
+    state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log line: a resumed run logs the same mean
+    checkpoint = common.latest_checkpoint(exp_dir)
     # Every rank must resume from the same step. A --save-dir on each node's own disk would let
     # the ranks of other nodes silently start over: check against what rank 0 sees.
     rank0_checkpoint = [checkpoint]
@@ -219,7 +183,7 @@ def main():
         )
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
-        check_resume(checkpoint, state, layout)
+        common.check_resume(checkpoint, state, layout)
         logger.info(f"Resumed from {checkpoint} at step {state['global_step']}")
 
     # --- 7. Train ---
@@ -228,11 +192,11 @@ def main():
     init_wandb(args, exp_dir, state["wandb_run_id"])
 
     tokens_per_step = global_batch_rows * args.seq_length
-    flops_per_step = tokens_per_step * flops_per_token(model, config, args.seq_length)
-    peak_flops = peak_bf16_flops(device)
-    timers = PhaseTimers(device)
-    guard = NonFiniteGuard(device)
-    stop = StopSignal()
+    flops_per_step = tokens_per_step * common.flops_per_token(model, config, args.seq_length)
+    peak_flops = common.peak_bf16_flops(device)
+    timers = common.PhaseTimers(device)
+    guard = common.NonFiniteGuard(device)
+    stop = common.StopSignal()
     postfix = {}  # what the progress bar shows after the counts
     running_loss = state["running_loss"]
     steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
@@ -259,24 +223,20 @@ def main():
             # On resume, the batches this epoch already trained on are skipped by index, never loaded.
             indices = list(sampler)[state["epoch_step"] * global_batch_rows // dp_size :]
             dataloader = DataLoader(
-                train_data,
-                sampler=indices,
-                batch_size=args.batch_size,
-                drop_last=True,
-                pin_memory=device.type == "cuda",
+                train_data, args.batch_size, sampler=indices, drop_last=True, pin_memory=device.type == "cuda"
             )
             batches = iter(dataloader)
 
             for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
-                step_loss, grad_norm = train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device)
+                loss, grad_norm = train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device)
 
                 state["global_step"] += 1
                 state["epoch_step"] += 1
                 progress.update()
                 # Accumulated on the device: calling .item() every step would wait for the GPU every step.
-                running_loss += step_loss
+                running_loss += loss
                 steps_since_log += 1
-                guard.update(state["global_step"], step_loss, grad_norm)
+                guard.update(state["global_step"], loss, grad_norm)
 
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.agreed(device)
@@ -292,19 +252,19 @@ def main():
                         "grad_norm": grad_norm.item(),
                         "tokens_per_s": steps_since_log * tokens_per_step / elapsed,
                         **timings,
-                        **memory_stats(device),
-                        **shard_memory(model, optimizer),
+                        **common.memory_stats(device),
+                        **common.shard_memory(model, optimizer),
                     }
                     if peak_flops:
                         metrics["mfu"] = steps_since_log * flops_per_step / elapsed / (world_size * peak_flops)
-                    log_metrics(metrics, metrics_file)
+                    common.log_metrics(metrics, metrics_file)
                     postfix.update(loss=f"{metrics['loss']:.3f}", tokens_per_s=f"{metrics['tokens_per_s']:.0f}")
                     progress.set_postfix(postfix)
                     running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
                 if val_data is not None and not stopping and due(args.eval_every):
                     val_loss = evaluate(model, val_data, args, device, autocast, mesh["dp"])
-                    log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
+                    common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
                     log_start = time.perf_counter()  # evaluating is not training: keep it out of tokens/s
@@ -325,16 +285,16 @@ def main():
     # --- 8. Export ---
     if args.export_hf and not stopping:
         export_hf(model, config, tokenizer, args.export_hf, export_dtype)
-    if not stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
-        wandb.finish()
-    if stopping:
+    if stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
         logger.info(f"Stopped by {stopping} at step {state['global_step']}: rerun the same command to resume")
     else:
+        wandb.finish()
         logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
     # The model holds the process group (DDP's reducer does): freed after destroy_process_group, it would free
     # the group itself, holding the GIL that gloo's threads may still need, and hang at exit (pytorch#75097).
     del model
     dist.destroy_process_group()
+
 
 def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device):
     """One optimizer step on --grad-accum-steps micro-batches from `batches`. Returns the step's loss
@@ -477,8 +437,8 @@ def apply_tp(model, blocks, tp_mesh):
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
     }
     # The norms other families add; and any module the plan does not name, refused (common/tp.py).
-    block_plan |= norm_plan(blocks[0], model.config)
-    check_plan(model, blocks, root_plan, block_plan)
+    block_plan |= tp.norm_plan(blocks[0], model.config)
+    tp.check_plan(model, blocks, root_plan, block_plan)
     parallelize_module(model, tp_mesh, root_plan)
     for block in blocks:
         parallelize_module(block, tp_mesh, block_plan)
@@ -527,7 +487,7 @@ def init_wandb(args, exp_dir, run_id):
         group=f"{args.experiment_name}-{run_id}",
         resume="allow",
         config=vars(args),
-        mode=wandb_mode(),
+        mode=common.wandb_mode(),
     )
 
 
@@ -570,12 +530,12 @@ def evaluate(model, val_data, args, device, autocast, dp_mesh) -> float:
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep):
     """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position."""
-    final_dir = checkpoint_dir(exp_dir, state["global_step"])
+    final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
     # Written under a temporary name and renamed when complete: a crash mid-save leaves no
     # checkpoint that resume would trust.
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     rank = dist.get_rank()
-    with saving(tmp_dir, state["global_step"]):
+    with common.saving(tmp_dir, state["global_step"]):
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
             tmp_dir.mkdir(parents=True)
@@ -587,30 +547,33 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
         if rank == 0:
             torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
             # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
-            torch.save(rng_state(device), tmp_dir / "rng.pt")
+            torch.save(common.rng_state(device), tmp_dir / "rng.pt")
             (tmp_dir / "state.json").write_text(json.dumps(state))
-            publish_checkpoint(tmp_dir, final_dir, keep)
+            common.publish_checkpoint(tmp_dir, final_dir, keep)
             logger.info(f"Saved {final_dir}")
     # No rank runs ahead (and may crash) before the checkpoint is complete.
     dist.barrier()
 
 
 def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
-    with loading(checkpoint):
+    with common.loading(checkpoint):
         # DCP loads in place into this run's shards, whatever the number of ranks that saved them.
         model_state, optimizer_state = get_state_dict(model, optimizer)
         shards = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(shards, checkpoint_id=checkpoint)
         set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
         lr_scheduler.load_state_dict(torch.load(checkpoint / "lr_scheduler.pt"))
-        set_rng_state(torch.load(checkpoint / "rng.pt"), device)
+        common.set_rng_state(torch.load(checkpoint / "rng.pt"), device)
         return json.loads((checkpoint / "state.json").read_text())
 
 
 def get_parser():
-    parser = base_parser(__doc__, __file__)
+    parser = common.base_parser(__doc__, __file__)
     parser.add_argument(
-        "--dist-timeout", type=positive_float, default=10, help="minutes a collective may wait before the job fails"
+        "--dist-timeout",
+        type=common.positive_float,
+        default=10,
+        help="minutes a collective may wait before the job fails",
     )
     parser.add_argument(
         "--node-local-cache",
@@ -618,7 +581,7 @@ def get_parser():
         help="HF_HOME is on each node's own disk: local rank 0 of every node prepares the data",
     )
     parser.add_argument(
-        "--tp-size", type=positive_int, default=1, help="ranks that split each layer (the GPUs of a node, or fewer)"
+        "--tp-size", type=common.positive_int, default=1, help="ranks that split each layer (a node's GPUs, or fewer)"
     )
     parser.add_argument("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
     return parser
