@@ -254,8 +254,8 @@ def main():
     else:
         wandb.finish()
         logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
-    # The model holds the process group (DDP's reducer does): freed after destroy_process_group, it would free
-    # the group itself, holding the GIL that gloo's threads may still need, and hang at exit (pytorch#75097).
+    # DDP's reducer holds the process group: freed after destroy_process_group, it would free the
+    # group itself, holding the GIL that gloo's threads may still need, and hang at exit (pytorch#75097).
     del model
     dist.destroy_process_group()
 

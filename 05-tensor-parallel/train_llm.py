@@ -129,17 +129,16 @@ def main():
     # before (so the same seed gives the same weights), or loaded with --from-pretrained.
     torch.manual_seed(args.seed)
     full_model = None
-    if args.from_pretrained:
-        try:
-            # Rank 0 alone loads (a first run downloads): the others wait on the job's store, for as
-            # long as it takes (rank0_first), not in a collective that would time out.
-            with common.rank0_first():
-                if rank == 0:
-                    full_model = AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
-        except OSError as err:
-            raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
-    elif rank == 0:
-        full_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        # Rank 0 alone builds or loads it (a first run downloads): the others wait on the job's store,
+        # for as long as it takes (rank0_first), not in a collective that would time out.
+        with common.rank0_first():
+            if rank == 0 and args.from_pretrained:
+                full_model = AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
+            elif rank == 0:
+                full_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except OSError as err:
+        raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
     # Every rank builds the structure on the meta device (shapes, no memory), shards it, and
     # allocates only its own shards on its device.
     with torch.device("meta"):
@@ -290,9 +289,6 @@ def main():
     else:
         wandb.finish()
         logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
-    # The model holds the process group (DDP's reducer does): freed after destroy_process_group, it would free
-    # the group itself, holding the GIL that gloo's threads may still need, and hang at exit (pytorch#75097).
-    del model
     dist.destroy_process_group()
 
 
@@ -379,16 +375,10 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
 
 
 def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
-    """Shards the input embeddings, each transformer block and the output head as units of their own,
-    then the root (the rest: the final norm).
-
-    A unit is what FSDP communicates at once: its weights are all-gathered just before its forward
-    and backward and freed right after, and its gradients reduce-scattered as soon as they are ready,
-    while the next unit computes. FSDP never frees the root's weights after forward and reduce-scatters
-    its gradients after the whole backward, where nothing hides the time: left in the root, the
-    embeddings and the head (vocabulary x hidden each, the largest weights) would be held all step
-    and reduced last. Tied, they are one weight, and stay in the root together.
-    """
+    """Shards the input embeddings, each block and the output head as units of their own, then the root
+    (the rest). A unit's weights are all-gathered just before its forward and backward, and its gradients
+    reduce-scattered when ready, while the next unit computes. The root's are gathered all step and
+    reduced last: the embeddings and head, the largest weights, stay out of it unless tied (one weight)."""
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     tied = model.config.tie_word_embeddings
     if not tied:
@@ -402,16 +392,10 @@ def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
 
 
 def apply_tp(model, blocks, tp_mesh):
-    """Splits each block's matmuls over the tp ranks (Megatron-LM's tensor parallel) and its norms
-    over the tokens (sequence parallel); the embedding and the output layer over the vocabulary.
-
-    In a block, q/k/v and gate/up are split by output column (each rank computes whole heads and
-    a slice of the MLP), o and down by input row: their partial sums are reduce-scattered over the
-    tokens, and the norms and residual adds between them run on 1/tp of the tokens.
-    Before attention and the MLP, the tokens are all-gathered again. The plan names Llama's modules
-    (Mistral, Qwen and others share them) and the norms other families add; HF passes attention its
-    input by keyword.
-    """
+    """Splits each block's matmuls over the tp ranks (Megatron-LM's tensor parallel) and its norms over
+    the tokens (sequence parallel); the embedding and the output layer over the vocabulary (README: "How it
+    works"). The plan names Llama's modules, which Mistral, Qwen and others share; HF passes attention its
+    input by keyword."""
     root_plan = {
         # The embedding's output is the first residual stream: split over the tokens. It stays a
         # DTensor (use_local_output=False), whose shape HF reads as the full sequence's.

@@ -108,8 +108,9 @@ def _a_file(tmp_path):
         (["--from-pretrained"], "--from-pretrained"),  # the embedded default has a config but no weights
         (["--batch-size", "100000"], "--batch-size"),
         (["--save-dir", _a_file], "--save-dir"),
+        (["--export-hf", _a_file], "--export-hf"),
     ],
-    ids=["missing-dataset", "hub-dataset-offline", "no-weights", "huge-batch", "save-dir-is-a-file"],
+    ids=["missing-dataset", "hub-dataset-offline", "no-weights", "huge-batch", "save-dir-is-a-file", "export-to-a-file"],
 )
 def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, hf_home, args, flag):
     args = [arg(tmp_path) if callable(arg) else arg for arg in args]
@@ -171,6 +172,26 @@ def test_resume_with_another_layout_or_model_fails_clearly(tmp_path, hf_home, st
     )
     assert proc.returncode != 0 and words in last_line(proc.stderr), proc.stderr[-3000:]
     assert sorted((p, p.stat().st_mtime_ns) for p in exp_dir.rglob("*")) == before
+
+
+def test_activation_checkpointing_gives_the_same_losses_and_the_export_loads(tmp_path, hf_home, straight_losses):
+    """Recomputing each block in backward changes what is kept, not what is computed; the export at the
+    end is a folder from_pretrained loads, holding the weights of the last checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = tmp_path / "hf"
+    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--activation-checkpointing", "--export-hf", str(export)]
+    run_chapter(CHAPTER, *args, "--save-dir", str(tmp_path), hf_home=hf_home)
+    with_ac = losses(tmp_path / CHAPTER)
+    assert len(with_ac) == len(straight_losses) == STEPS
+    assert max(abs(a - b) for a, b in zip(with_ac, straight_losses)) <= 1e-5
+
+    exported = AutoModelForCausalLM.from_pretrained(export).state_dict()
+    trained = torch.load(tmp_path / CHAPTER / "checkpoints" / f"step-{STEPS:08d}" / "model.pt")
+    assert exported.keys() == trained.keys()
+    assert all(torch.equal(exported[name], trained[name]) for name in trained)
+    assert AutoTokenizer.from_pretrained(export).vocab_size == VOCAB_SIZE
 
 
 def test_gradient_accumulation_equals_the_big_batch(tmp_path, hf_home, straight_losses):

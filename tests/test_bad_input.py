@@ -35,6 +35,7 @@ def parse_error(*argv: str) -> str:
         (["--val-fraction", "1.5"], "--val-fraction: must be a number in [0, 1)"),
         (["--keep-checkpoints", "0"], "--keep-checkpoints: must be a positive integer"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--export-hf", "README.md"], "--export-hf: 'README.md' is a file: pass a folder to export into"),
     ],
 )
 def test_flags_that_would_train_wrong_fail_at_parse_time(argv, words):
