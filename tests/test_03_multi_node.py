@@ -207,9 +207,11 @@ def slurm(tmp_path_factory):
     reason = slurm_cluster.missing()
     if reason:
         pytest.skip(f"no Slurm cluster: {reason}")
-    cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
-    yield cluster
-    cluster.stop()
+    cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:  # the daemons started before a failure too
+        yield cluster.start()
+    finally:
+        cluster.stop()
 
 
 @pytest.mark.parametrize("chapter", [CHAPTER, "04-fsdp"])
