@@ -2,6 +2,20 @@ import os
 import shutil
 
 import pytest
+from harness import PROCESS_MARK, kill_marked, new_process_mark
+
+
+@pytest.fixture(autouse=True)
+def end_the_processes_of_each_test(monkeypatch):
+    """Every process a test starts inherits its mark (harness.PROCESS_MARK); whatever still runs when
+    the test ends, after a timeout, a failed assertion or an exception, is killed then, not left to
+    load the machine for the tests after it. What it was is printed (shown with a failure)."""
+    mark = new_process_mark()
+    monkeypatch.setenv(PROCESS_MARK, mark)
+    yield
+    left = kill_marked(mark)
+    if left:
+        print(f"killed {len(left)} processes the test left running:", *left, sep="\n  ")
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -16,6 +18,10 @@ FAULTS = Path(__file__).parent / "faults"
 VOCAB_SIZE = 512  # of the embedded tiny model
 UNIFORM_LOSS = math.log(VOCAB_SIZE)
 OFFLINE_WANDB = {"WANDB_MODE": "offline"}  # as users without a W&B login run
+# A test's own mark in the environment of every process it starts (conftest.py sets it in os.environ,
+# which chapter_env copies; tests/fake_ssh/ssh passes it to a host's command): when the test ends,
+# passed or failed, whatever still runs with it is killed (kill_marked), wherever it runs now.
+PROCESS_MARK = "TESTS_PROCESS_MARK"
 
 # Small and quick, yet every step sees different data and updates every weight.
 FAST_ARGS = ["--batch-size", "4", "--seq-length", "128", "--warmup-steps", "5", "--log-freq", "1", "--eval-every", "6"]
@@ -103,6 +109,42 @@ def kill_all(pid: int) -> None:
             process.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def new_process_mark() -> str:
+    return f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def kill_marked(mark: str, timeout: float = 60) -> list[str]:
+    """Kills every process with PROCESS_MARK=`mark` in its environment, and returns their command lines.
+    A tree is not enough: torchrun's workers run in sessions of their own, and a host's processes
+    outlive the ssh session (tests/fake_ssh/ssh) that started them, under another parent."""
+    ours = {os.getpid(), *(parent.pid for parent in psutil.Process().parents())}
+    killed = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:  # again, for any process a dying one started meanwhile
+        marked = []
+        for process in psutil.process_iter():
+            try:
+                if process.pid not in ours and process.environ().get(PROCESS_MARK) == mark:
+                    marked.append(process)
+                    killed.append(" ".join(process.cmdline())[:300])
+                    process.kill()
+            except psutil.Error:  # gone, a zombie, or not ours to read
+                pass
+        if not marked:
+            break
+        gone = time.monotonic() + 10
+        while time.monotonic() < gone and any(_running(process) for process in marked):
+            time.sleep(0.1)
+    return killed
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def python_stacks(pid: int) -> str:

@@ -37,7 +37,7 @@ class SlurmCluster:
         self.root = root
         self.conf = root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
-        self.pids: list[int] = []
+        self.daemons: list[subprocess.Popen] = []
         self.cpus_per_node = cpus_per_node
 
     def start(self) -> "SlurmCluster":
@@ -89,7 +89,7 @@ PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=60 State=UP
     def _spawn(self, cmd: list[str], name: str):
         log = open(self.root / f"{name}.stdout", "w")
         proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.pids.append(proc.pid)
+        self.daemons.append(proc)
 
     def _wait_until_idle(self, timeout: float = 60):
         deadline = time.time() + timeout
@@ -125,13 +125,20 @@ PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=60 State=UP
         return next(f.split("=")[1] for f in out.stdout.split() if f.startswith("JobState="))
 
     def stop(self):
-        for pid in self.pids:
+        """Stops the daemons (munged, shared by any other cluster here, runs on): SIGTERM, and SIGKILL
+        to one that is still running 30 s later."""
+        for proc in self.daemons:
+            _signal_group(proc, signal.SIGTERM)
+        for proc in self.daemons:
             try:
-                os.killpg(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for pid in self.pids:
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass

@@ -207,9 +207,11 @@ def slurm(tmp_path_factory):
     reason = slurm_cluster.missing()
     if reason:
         pytest.skip(f"no Slurm cluster: {reason}")
-    cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
-    yield cluster
-    cluster.stop()
+    cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:  # the daemons started before a failure too
+        yield cluster.start()
+    finally:
+        cluster.stop()
 
 
 @pytest.mark.parametrize("chapter", [CHAPTER, "04-fsdp"])
@@ -321,9 +323,8 @@ def ssh_launcher(tmp_path, hf_home, chapter, *args, **popen_kwargs):
         PATH=f"{REPO / 'tests' / 'fake_ssh'}:{env['PATH']}",
     )
     command = [str(REPO / CHAPTER / "launch_ssh.sh"), str(tmp_path / "hosts.txt"), *args, "--device", "cpu"]
-    return subprocess.Popen(
-        command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen_kwargs
-    )
+    popen_kwargs = {"stdout": subprocess.PIPE, **popen_kwargs}
+    return subprocess.Popen(command, env=env, cwd=REPO, stderr=subprocess.STDOUT, text=True, **popen_kwargs)
 
 
 @pytest.mark.parametrize("chapter", [CHAPTER, "04-fsdp"])
@@ -343,21 +344,38 @@ def test_ssh_launcher_matches_one_node(tmp_path, hf_home, one_node_losses, chapt
 
 def test_ctrl_c_on_the_ssh_launcher_stops_every_host(tmp_path, hf_home):
     save_dir = tmp_path / "out"
-    proc = ssh_launcher(
-        tmp_path, hf_home, CHAPTER, *ARGS, "--max-steps", "100000", "--save-dir", str(save_dir), start_new_session=True
-    )
+    output = tmp_path / "launcher.out"  # a file: a pipe the test did not read while it waits could stall the run
+    start = time.monotonic()
+    with output.open("w") as out:
+        proc = ssh_launcher(
+            tmp_path, hf_home, CHAPTER, *ARGS, "--max-steps", "100000", "--save-dir", str(save_dir),
+            stdout=out, start_new_session=True,
+        )  # fmt: skip
     metrics = save_dir / CHAPTER / "metrics.jsonl"
-    deadline = time.time() + 180
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+        assert proc.poll() is None and time.monotonic() < start + 300, output.read_text()[-3000:]
         time.sleep(1)
+    started = time.monotonic() - start
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the launcher's process group
-    proc.communicate(timeout=60)
-    assert proc.returncode != 0
-    deadline = time.time() + 30
-    while left := [p for p in psutil.process_iter(["cmdline"]) if str(save_dir) in " ".join(p.info["cmdline"] or [])]:
-        assert time.time() < deadline, f"still running on a host after Ctrl-C: {[p.info['cmdline'] for p in left]}"
+    # Stopping (each host's torchrun stops its workers, every process exits) slows down with the
+    # machine as starting did (imports, rendezvous, first steps): what is checked is that the
+    # launcher and every host's processes end, not how soon. 90 s, or 3x the start on a busy machine.
+    allowed = max(90, 3 * started)
+    deadline = time.monotonic() + allowed
+
+    def on_a_host():
+        return [p for p in psutil.process_iter(["cmdline"]) if str(save_dir) in " ".join(p.info["cmdline"] or [])]
+
+    while proc.poll() is None or on_a_host():
+        if time.monotonic() > deadline:
+            launcher = "still runs" if proc.poll() is None else "has ended"
+            stacks = "\n".join(python_stacks(p.pid) for p in on_a_host())  # where each waits says why
+            pytest.fail(
+                f"{allowed:.0f} s after Ctrl-C (the run took {started:.0f} s to start), the launcher {launcher};"
+                f" on the hosts:\n{stacks}\n{output.read_text()[-3000:]}"
+            )
         time.sleep(1)
+    assert proc.returncode != 0
 
 
 def test_every_documented_restart_command_gets_a_fresh_store():

@@ -1,8 +1,8 @@
 """Makes emulated FP8 matmuls check what the GPU's do: before each one, torch._scaled_mm runs on
 meta tensors of the operands' shapes, layouts and scales, so that its own checks (both dimensions of
 the second operand multiples of 16, the scales' shapes) fail on the CPU where they would on an H100.
-Emulation otherwise multiplies with a plain mm, which takes any shape. Installed by sitecustomize.py
-with PROBE_SCALED_MM_SHAPES=1, or by a test in its own process."""
+Emulation otherwise multiplies with a plain mm, which takes any shape. Installed by probes.py
+with PROBE_SCALED_MM_SHAPES=1 (the table in sitecustomize.py), or by a test in its own process."""
 
 import torch
 from torchao.float8 import float8_ops

@@ -1,0 +1,136 @@
+"""Fault injection: the FAULT_* switches of the table in sitecustomize.py, which imports this module
+in every process the tests launch. Nothing is imported or replaced unless a switch is set."""
+
+import os
+import signal
+from pathlib import Path
+
+FIRST_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+RANK = os.environ.get("RANK", "0")
+STEP_FAULTS = ["FAULT_RAISE_AT_STEP", "FAULT_KILL_AT_STEP", "FAULT_NAN_AT_STEP", "FAULT_SIGNAL_AT_STEP"]
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_after_checkpoint(count: int) -> None:
+    """Checkpoints are published by renaming their staging folder to step-*: die after the count-th."""
+    replace = os.replace
+    published = 0
+
+    def replace_then_maybe_die(src, dst, *args, **kwargs):
+        nonlocal published
+        replace(src, dst, *args, **kwargs)
+        if Path(dst).name.startswith("step-"):
+            published += 1
+            if published == count:
+                die()
+
+    os.replace = replace_then_maybe_die
+
+
+def kill_during_checkpoint(count: int) -> None:
+    import io
+
+    import torch
+
+    save = torch.save
+    staging_dirs = []
+
+    def save_or_die_half_way(obj, f, *args, **kwargs):
+        parent = Path(f).parent if isinstance(f, (str, os.PathLike)) else None
+        if parent is not None and parent.name.endswith(".tmp"):
+            if parent not in staging_dirs:
+                staging_dirs.append(parent)
+            # The second file of the count-th checkpoint: one file complete, this one cut in half.
+            if len(staging_dirs) == count and any(parent.iterdir()):
+                buffer = io.BytesIO()
+                save(obj, buffer, *args, **kwargs)
+                Path(f).write_bytes(buffer.getvalue()[: buffer.tell() // 2])
+                die()
+        return save(obj, f, *args, **kwargs)
+
+    torch.save = save_or_die_half_way
+
+
+def strike_at_step(fault: str, fault_step: int) -> None:
+    """One of STEP_FAULTS, through torch's global optimizer step hooks (registered after the probes')."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    steps = 0
+
+    def before_step(optimizer, args, kwargs):
+        nonlocal steps
+        steps += 1
+        if steps != fault_step:
+            return
+        if fault == "FAULT_KILL_AT_STEP":
+            die()
+        if fault == "FAULT_RAISE_AT_STEP":
+            raise RuntimeError(f"injected fault at step {steps}")
+        if fault == "FAULT_SIGNAL_AT_STEP":  # the step goes on; the signal's handler runs meanwhile
+            target = os.getppid() if os.environ.get("FAULT_SIGNAL_PARENT") else os.getpid()
+            os.kill(target, getattr(signal, "SIG" + os.environ.get("FAULT_SIGNAL", "TERM")))
+
+    def after_step(optimizer, args, kwargs):
+        if steps == fault_step:  # FAULT_NAN_AT_STEP
+            with torch.no_grad():
+                optimizer.param_groups[0]["params"][0].fill_(float("nan"))
+
+    register_optimizer_step_pre_hook(before_step)
+    if fault == "FAULT_NAN_AT_STEP":
+        register_optimizer_step_post_hook(after_step)
+
+
+def slow_data(seconds: float) -> None:
+    import time
+
+    import common
+    import common.data
+
+    load_and_pack = common.data.load_and_pack
+
+    def slow_load_and_pack(*args, **kwargs):
+        time.sleep(seconds)
+        return load_and_pack(*args, **kwargs)
+
+    common.load_and_pack = common.data.load_and_pack = slow_load_and_pack
+
+
+def wrong_fp8_scales(factor: float) -> None:
+    # The two places torchao computes a scale from an amax; the chapter imports the second by name
+    # after this runs, so replacing it in torchao.float8 is enough.
+    import torchao.float8
+    from torchao.float8 import float8_utils
+
+    amax_to_scale = float8_utils.amax_to_scale
+    precompute = torchao.float8.precompute_float8_dynamic_scale_for_fsdp
+
+    def wrong_amax_to_scale(*args, **kwargs):
+        return amax_to_scale(*args, **kwargs) * factor
+
+    def wrong_precompute(module):
+        precompute(module)
+        for parameter in module.parameters():
+            local = getattr(parameter, "_local_tensor", None)
+            if getattr(local, "_precomputed_scale", None) is not None:
+                local._precomputed_scale = local._precomputed_scale * factor
+
+    float8_utils.amax_to_scale = wrong_amax_to_scale
+    torchao.float8.precompute_float8_dynamic_scale_for_fsdp = wrong_precompute
+
+
+if FIRST_ATTEMPT:
+    if "FAULT_KILL_AFTER_CHECKPOINT" in os.environ:
+        kill_after_checkpoint(int(os.environ["FAULT_KILL_AFTER_CHECKPOINT"]))
+    if "FAULT_KILL_DURING_CHECKPOINT" in os.environ:
+        kill_during_checkpoint(int(os.environ["FAULT_KILL_DURING_CHECKPOINT"]))
+    step_fault = next((name for name in STEP_FAULTS if name in os.environ), None)
+    if step_fault and RANK == os.environ.get("FAULT_RANK", "0"):
+        strike_at_step(step_fault, int(os.environ[step_fault]))
+    if "FAULT_FP8_SCALE" in os.environ:
+        wrong_fp8_scales(float(os.environ["FAULT_FP8_SCALE"]))
+if "FAULT_SLOW_DATA" in os.environ and RANK == "0":
+    slow_data(float(os.environ["FAULT_SLOW_DATA"]))

@@ -1,0 +1,139 @@
+"""Measurement probes: the PROBE_* switches of the table in sitecustomize.py, which imports this module
+in every process the tests launch, before faults.py. They change nothing the script computes, and
+nothing is imported or replaced unless a switch is set. They hook the optimizer step through torch's
+global step hooks, in the order of the table; the probes that need each DDP model share one wrapper
+of DistributedDataParallel.__init__ (`after_ddp_init`)."""
+
+import json
+import os
+from pathlib import Path
+
+RANK_0 = os.environ.get("RANK", "0") == "0"
+
+_ddp_callbacks = []  # called with each DDP model once made, in the order they were added
+
+
+def after_ddp_init(callback) -> None:
+    """Calls `callback(model)` after every DistributedDataParallel(...): its __init__ is wrapped once,
+    on the first call, for every probe."""
+    if not _ddp_callbacks:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp_init = DistributedDataParallel.__init__
+
+        def ddp_init_then_callbacks(self, *args, **kwargs):
+            ddp_init(self, *args, **kwargs)
+            for each in _ddp_callbacks:
+                each(self)
+
+        DistributedDataParallel.__init__ = ddp_init_then_callbacks
+    _ddp_callbacks.append(callback)
+
+
+def compile_counts(path: str) -> None:
+    from torch._dynamo.utils import counters
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def after_step(optimizer, args, kwargs):
+        counts = {
+            "frames": counters["frames"]["total"],
+            "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+        }
+        with open(path, "a") as f:
+            f.write(json.dumps(counts) + "\n")
+
+    register_optimizer_step_post_hook(after_step)
+
+
+def state_bytes(path: Path) -> None:
+    from torch.distributed.tensor import DTensor
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    ddp_models = []
+    after_ddp_init(ddp_models.append)
+    measuring = {}  # what the first step measured before it ran
+
+    def storage_bytes(tensors):
+        storages = {}
+        for tensor in tensors:
+            storage = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def before_step(optimizer, args, kwargs):
+        if path.exists():  # measured at the first step
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        gradients = storage_bytes(p.grad for p in params if p.grad is not None)
+        # DDP copies the gradients into its own buckets to all-reduce them ("bucket_sizes": bytes).
+        for model in ddp_models:
+            gradients += sum(int(size) for size in model._get_ddp_logging_data()["bucket_sizes"].split(","))
+        measuring.update(params=params, gradients=gradients)
+
+    def after_step(optimizer, args, kwargs):
+        if not measuring:
+            return
+        moments = [v for state in optimizer.state.values() for v in state.values() if v.dim() > 0]  # not `step`
+        measured = {
+            "weights": storage_bytes(measuring["params"]),
+            "gradients": measuring["gradients"],
+            "optimizer": storage_bytes(moments),
+        }
+        path.write_text(json.dumps(measured))
+        measuring.clear()
+
+    register_optimizer_step_pre_hook(before_step)
+    register_optimizer_step_post_hook(after_step)
+
+
+def gradient_reductions(path: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    reductions = {"ddp_buckets": [], "reduce_scatters": 0}
+
+    def counting_allreduce_hook(state, bucket):
+        reductions["ddp_buckets"].append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    after_ddp_init(lambda model: model.register_comm_hook(None, counting_allreduce_hook))
+
+    def counting(reduce_scatter):
+        def counting_reduce_scatter(*args, **kwargs):
+            reductions["reduce_scatters"] += 1
+            return reduce_scatter(*args, **kwargs)
+
+        return counting_reduce_scatter
+
+    # FSDP calls one or the other, by version: torch 2.13's calls reduce_scatter_single.
+    for name in ["reduce_scatter_tensor", "reduce_scatter_single"]:
+        if hasattr(dist, name):
+            setattr(dist, name, counting(getattr(dist, name)))
+
+    def before_step(optimizer, args, kwargs):
+        with open(path, "a") as f:
+            f.write(json.dumps(reductions) + "\n")
+        reductions.update(ddp_buckets=[], reduce_scatters=0)
+
+    register_optimizer_step_pre_hook(before_step)
+
+
+if RANK_0:
+    if "PROBE_COMPILE_COUNTS" in os.environ:
+        compile_counts(os.environ["PROBE_COMPILE_COUNTS"])
+    if "PROBE_STATE_BYTES" in os.environ:
+        state_bytes(Path(os.environ["PROBE_STATE_BYTES"]))
+    if "PROBE_GRADIENT_REDUCTIONS" in os.environ:
+        gradient_reductions(os.environ["PROBE_GRADIENT_REDUCTIONS"])
+if "PROBE_SCALED_MM_SHAPES" in os.environ:
+    import scaled_mm_shapes
+
+    scaled_mm_shapes.install()
+if "PROBE_COMPILE_BACKEND" in os.environ:
+    import functools
+
+    import torch
+
+    torch.compile = functools.partial(torch.compile, backend=os.environ["PROBE_COMPILE_BACKEND"])
