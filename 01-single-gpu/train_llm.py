@@ -241,7 +241,12 @@ def init_wandb(args, exp_dir, run_id):
     """The run's wandb run. Its id comes from the checkpoint: a resumed run continues its wandb run, and a
     new run (after deleting the folder, or another chapter under the same name) never continues an old one."""
     wandb.init(
-        dir=exp_dir, id=run_id, name=args.experiment_name, resume="allow", config=vars(args), mode=common.wandb_mode()
+        dir=exp_dir,
+        id=run_id,
+        name=args.experiment_name,
+        resume="allow",
+        config=vars(args),
+        mode=common.wandb_mode(),
     )
 
 
