@@ -75,8 +75,13 @@ def main():
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
     if args.cpu_offload and device.type != "cuda":
         raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
-    # All ranks in one dimension: every rank holds 1/world_size of every sharded tensor.
-    mesh = init_device_mesh(device.type, (world_size,))
+    # FSDP shards every tensor over --shard-size ranks (default: all). Fewer (a node's GPUs) is HSDP:
+    # each group of them holds a full replica, the blocks' all-gathers and reduce-scatters stay inside
+    # the group, and only an all-reduce of each rank's gradient shard crosses between the groups.
+    shard_size = args.shard_size or world_size
+    if world_size % shard_size:
+        raise SystemExit(f"error: --shard-size {shard_size} must divide the number of ranks ({world_size})")
+    mesh = init_device_mesh(device.type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
 
     # --- 2. Config and tokenizer ---
     # Everything that can fail on bad input happens before anything is written.
@@ -129,7 +134,7 @@ def main():
     send_full_weights(model, full_model, device)
     del full_model
     num_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its full size
-    logger.info(f"{num_params:,} parameters, sharded over {world_size} ranks")
+    logger.info(f"{num_params:,} parameters, sharded over {shard_size} ranks")
 
     # --- 5. Optimizer and LR schedule ---
     optimizer = torch.optim.AdamW(
@@ -335,7 +340,9 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
             block.compile(fullgraph=True)
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
-    apply_fsdp(model, blocks, mesh, mp_policy, offload_policy)
+    # A 2-D mesh is HSDP to fully_shard; with one group, its 1-D shard dimension is plain FSDP.
+    fsdp_mesh = mesh if mesh["replicate"].size() > 1 else mesh["shard"]
+    apply_fsdp(model, blocks, fsdp_mesh, mp_policy, offload_policy)
 
 
 def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
@@ -475,6 +482,9 @@ def get_parser():
         "--node-local-cache",
         action="store_true",
         help="HF_HOME is on each node's own disk: local rank 0 of every node prepares the data",
+    )
+    parser.add_argument(
+        "--shard-size", type=common.positive_int, help="ranks that shard the model (default: all; fewer: HSDP)"
     )
     parser.add_argument("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
     return parser

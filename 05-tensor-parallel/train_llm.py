@@ -87,15 +87,22 @@ def main():
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
     if args.cpu_offload and device.type != "cuda":
         raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
-    # Two dimensions. tp, the inner one, groups --tp-size consecutive ranks: the GPUs of one node,
-    # whose NVLink carries the collectives TP runs inside every block. dp, across the groups, is
-    # chapter 04's FSDP: each tp group is one data-parallel replica, and trains on its own rows.
+    # Three dimensions. tp, the inner one, groups --tp-size consecutive ranks: the GPUs of one node,
+    # whose NVLink carries the collectives TP runs inside every block. Across the groups, chapter 04's
+    # FSDP (replicate x shard: HSDP with --shard-size): each tp group is one data-parallel rank.
     if world_size % args.tp_size:
         raise SystemExit(f"error: --tp-size {args.tp_size} must divide the number of ranks ({world_size})")
     if int(os.environ["LOCAL_WORLD_SIZE"]) % args.tp_size:
         logger.warning(f"--tp-size {args.tp_size} spans nodes: every block then waits for the network")
-    mesh = init_device_mesh(device.type, (world_size // args.tp_size, args.tp_size), mesh_dim_names=("dp", "tp"))
-    dp_size, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    dp_size = world_size // args.tp_size
+    shard_size = args.shard_size or dp_size
+    if dp_size % shard_size:
+        raise SystemExit(f"error: --shard-size {shard_size} must divide the number of dp ranks ({dp_size})")
+    mesh_shape = (dp_size // shard_size, shard_size, args.tp_size)
+    mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("replicate", "shard", "tp"))
+    # The dp ranks, replicas and shards alike, as one dimension: each trains on its own rows.
+    dp_mesh = mesh["replicate", "shard"]._flatten("dp")
+    dp_rank = dp_mesh.get_local_rank()
 
     # --- 2. Config and tokenizer ---
     # Everything that can fail on bad input happens before anything is written.
@@ -150,7 +157,7 @@ def main():
     send_full_weights(model, full_model, device)
     del full_model
     num_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its full size
-    logger.info(f"{num_params:,} parameters, split over {args.tp_size} tp ranks and sharded over {dp_size} dp ranks")
+    logger.info(f"{num_params:,} parameters, split over {args.tp_size} tp ranks and sharded over {shard_size} dp ranks")
 
     # --- 5. Optimizer and LR schedule ---
     optimizer = torch.optim.AdamW(
@@ -262,7 +269,7 @@ def main():
                     running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
                 if val_data is not None and not stopping and due(args.eval_every):
-                    val_loss = evaluate(model, val_data, args, device, autocast, mesh["dp"])
+                    val_loss = evaluate(model, val_data, args, device, autocast, dp_mesh)
                     common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
@@ -371,7 +378,9 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
             block.compile(fullgraph=True)
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
-    apply_fsdp(model, blocks, mesh["dp"], mp_policy, offload_policy)
+    # A 2-D mesh is HSDP to fully_shard; with one group, its 1-D shard dimension is plain FSDP.
+    fsdp_mesh = mesh["replicate", "shard"] if mesh["replicate"].size() > 1 else mesh["shard"]
+    apply_fsdp(model, blocks, fsdp_mesh, mp_policy, offload_policy)
 
 
 def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
@@ -566,6 +575,9 @@ def get_parser():
     )
     parser.add_argument(
         "--tp-size", type=common.positive_int, default=1, help="ranks that split each layer (a node's GPUs, or fewer)"
+    )
+    parser.add_argument(
+        "--shard-size", type=common.positive_int, help="ranks that shard the model (default: all; fewer: HSDP)"
     )
     parser.add_argument("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
     return parser

@@ -12,6 +12,7 @@ from harness import (
     last_lines,
     losses,
     read_metrics,
+    rewind,
     run_chapter,
 )
 
@@ -120,6 +121,30 @@ def test_resume_skips_the_interrupted_save_and_reshards(
     assert metrics["memory/params_gib"] * 2**30 == pytest.approx(NUM_PARAMS * 4 / nproc, rel=0.05)
 
 
+@pytest.fixture(scope="module")
+def hsdp_run(tmp_path_factory, hf_home, interrupted_run):
+    """The 2-rank FSDP checkpoint of step 4 resumed on 4 ranks as HSDP: 2 groups of 2 ranks, each group
+    a replica sharded over its 2 ranks (2 rows per rank: the same 8 rows per step)."""
+    save_dir = tmp_path_factory.mktemp("hsdp")
+    shutil.copytree(interrupted_run, save_dir / CHAPTER)
+    args = [*ARGS, "--batch-size", "2", "--shard-size", "2", "--ckpt-freq", "4", "--save-dir", str(save_dir)]
+    run_chapter(CHAPTER, *args, nproc=4, hf_home=hf_home, faults={"PROBE_STATE_BYTES": save_dir / "state.json"})
+    return save_dir
+
+
+def test_hsdp_trains_as_fsdp_and_its_checkpoints_load_either_way(tmp_path, hf_home, hsdp_run, fsdp_run):
+    reference = losses(fsdp_run / CHAPTER)
+    # FSDP -> HSDP: from FSDP's checkpoint of step 4, the same losses.
+    assert max(abs(a - b) for a, b in zip(losses(hsdp_run / CHAPTER), reference)) <= 1e-5
+    # Each rank holds its group's shard, half of everything, as the planner says.
+    assert_state_as_planned(hsdp_run / "state.json", Layout("HSDP", gpus=4, shard=2))
+    # HSDP -> FSDP: HSDP's checkpoint of step 8, resumed by plain FSDP on 2 ranks.
+    rewind(hsdp_run / CHAPTER, tmp_path / CHAPTER, 8)
+    resumed = run_chapter(CHAPTER, *ARGS, "--ckpt-freq", "4", "--save-dir", str(tmp_path), nproc=2, hf_home=hf_home)
+    assert "step-00000008 at step 8" in resumed.stderr
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), reference)) <= 1e-5
+
+
 def _damage(name=None):
     """A copy of the interrupted run whose checkpoint's file `name` is cut in half."""
 
@@ -144,8 +169,9 @@ def _a_file(tmp_path, interrupted_run):
         (["--batch-size", "2", "--save-dir", _damage()], "global_batch_rows 8 -> 4"),
         (["--save-dir", _damage("__1_0.distcp")], "step-00000004 cannot be loaded"),
         (["--export-hf", _a_file], "is a file: pass a folder to export into"),
+        (["--shard-size", "3"], "error: --shard-size 3 must divide the number of ranks (2)"),
     ],
-    ids=["another-global-batch", "damaged-shard", "export-to-a-file"],
+    ids=["another-global-batch", "damaged-shard", "export-to-a-file", "shard-size"],
 )
 def test_errors_are_the_last_lines_under_torchrun(tmp_path, hf_home, interrupted_run, args, message):
     """DCP's own exception (no Exception subclass) included: one line, quoted by torchrun's summary."""

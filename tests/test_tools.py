@@ -173,6 +173,7 @@ def test_planner_counts_what_the_loss_backward_holds():
         (["--gpus-per-node", "8", "--tp-size", "3"], "--tp-size 3 must divide the 8 GPUs"),
         (["--gpus-per-node", "2", "--tp-size", "4"], "fit in a node of 2"),
         (["--gpus-per-node", "16", "--tp-size", "16"], "must divide the model's attention heads (8)"),
+        (["--nodes", "2", "--shard-size", "3"], "--shard-size 3 must divide the 16 dp ranks"),
     ],
 )
 def test_planner_refuses_impossible_layouts(argv, words):
@@ -201,6 +202,27 @@ def test_planner_matches_torchtitans_published_saving_from_more_gpus():
     m = count(str(REPO / "tools" / "model_shapes" / "llama-3.1-8b"))
     peak = {gpus: plan(m, Layout("FSDP", gpus), 2, 8192, 2, False)["total"] / GIB for gpus in [8, 128]}
     assert 0.9 * 15.0 < peak[8] - peak[128] < 15.4
+
+
+def test_planner_hsdp_keeps_all_but_one_all_reduce_inside_the_node(capsys):
+    """Llama-3.1-70B on 8 nodes of 8: FSDP over all 64 GPUs sends its all-gathers and reduce-scatters
+    across the network; HSDP with a group per node sends only each rank's 1/8 of the fp32 gradients,
+    all-reduced with the other 7 nodes, and holds 8x the training state."""
+    from tools.plan import GIB, Layout, count, main, plan
+
+    m = count(str(REPO / "tools" / "model_shapes" / "llama-3.1-70b"))
+    p = m["params"]
+    fsdp = plan(m, Layout("FSDP", 64), 1, 4096, 2, False)
+    hsdp = plan(m, Layout("HSDP", 64, shard=8), 1, 4096, 2, False)
+    assert hsdp["weights"] == 4 * p / 8 == 8 * fsdp["weights"]
+    assert fsdp["sent_replicate"] == 0
+    assert hsdp["sent_replicate"] == pytest.approx(2 * 7 / 8 * 4 * p / 8)
+    # Inside each group the all-gathers and reduce-scatters shrink only from 63/64 to 7/8 of the buffers.
+    assert hsdp["sent_dp"] - hsdp["sent_replicate"] == pytest.approx(fsdp["sent_dp"] * (7 / 8) / (63 / 64))
+    main([str(REPO / "tools" / "model_shapes" / "llama-3.1-70b"), "--nodes", "8", "--shard-size", "8"])
+    out = capsys.readouterr().out
+    assert "Per GPU, HSDP over 8, tp 1" in out
+    assert f"{hsdp['sent_replicate'] / GIB:.2f} GiB across nodes" in out
 
 
 def test_plot_draws_the_runs_and_refuses_a_folder_without_metrics(tmp_path, chapter_01_run, straight_run):

@@ -34,7 +34,10 @@ that does. The formulas are those the chapter READMEs teach; this is the one pla
   the output head. With --fp8 (chapter 06, tensorwise), the weights of the block layers that go to
   FP8 (those torchao finds faster at their slice, common/fp8.py) are all-gathered in 1 byte, and so
   are TP's all-gathers of the inputs that feed only such layers, and of the gradients of their
-  outputs. Time at best: bytes over the link's bandwidth, NVLink inside a node, the network across nodes.
+  outputs. HSDP (--shard-size s, chapter 04): the all-gathers and reduce-scatters run over s ranks,
+  each holding 1/s of the state, and each rank's fp32 gradient shard is all-reduced (2x) with its
+  peers in the other groups: with a group per node, only that crosses the network. Time at best: bytes
+  over the link's bandwidth, NVLink inside a node, the network across nodes.
 
 The gradients are counted as held at the peak, though under FSDP they are mostly allocated after
 it, as backward frees the activations: a margin of up to 4 bytes per parameter per GPU.
@@ -63,6 +66,7 @@ class Layout:
     tp: int = 1
     sharded: bool = True  # FSDP; False: DDP
     checkpointing: bool = False
+    shard: int = 0  # HSDP: the dp ranks each tensor is sharded over, replicated across groups of them (0: all)
 
 
 def count(model_name: str) -> dict:
@@ -126,8 +130,9 @@ def plan(
     """Per GPU: bytes held at the peak (state, gathered blocks, activations, the loss's backward) and
     bytes sent per step."""
     p, n, t = m["params"], layout.gpus, layout.tp
-    shards = n if layout.sharded else 1
     dp = n // t
+    shard = layout.shard or dp  # HSDP: sharded over `shard` dp ranks, replicated over dp // shard groups
+    shards = shard * t if layout.sharded else 1
     fp8_layers = m["fp8_layers"].get(t, {}) if fp8 else {}
     fp8_block = sum(fp8_layers.values())  # a block's weights all-gathered in FP8
     # DDP copies the gradients into buckets of its own to all-reduce them: a second copy, kept.
@@ -137,14 +142,20 @@ def plan(
     tokens = batch_size * seq_length
     activations = activation_bytes(m, tokens, t, layout.checkpointing, compute_bytes, compiled)
     loss_backward = loss_backward_bytes(m, tokens, t)
-    ring = (dp - 1) / dp if dp > 1 else 0
+    def ring(k):  # the share of a buffer each of k ranks sends in a ring collective
+        return (k - 1) / k if k > 1 else 0
+
+    replicate = 0
     if layout.sharded:
         # Gathered twice: the blocks, and the embeddings when they are a unit of their own (untied).
         twice = m["layers"] * m["block_params"] + (0 if m["tied"] else m["embedding"])
         gathered_bytes = (2 * twice + (p - twice)) * compute_bytes - 2 * m["layers"] * fp8_block * (compute_bytes - 1)
-        data_parallel = ring * (gathered_bytes + 4 * p) / t
+        shard_group = ring(shard) * (gathered_bytes + 4 * p) / t
+        # HSDP: each rank's fp32 gradient shard all-reduced (2x) with its peers in the other groups.
+        replicate = ring(dp // shard) * 2 * 4 * p / (shard * t)
+        data_parallel = shard_group + replicate
     else:
-        data_parallel = ring * 2 * 4 * p
+        data_parallel = ring(dp) * 2 * 4 * p
 
     def gather_bytes(*layers):  # FP8 when every layer the activation (or gradient) feeds is in FP8
         return 1 if all(layer in fp8_layers for layer in layers) else compute_bytes
@@ -159,6 +170,7 @@ def plan(
         "loss backward": loss_backward,
         "total": sum(state.values()) + gathered + activations + loss_backward,
         "sent_dp": data_parallel,
+        "sent_replicate": replicate,  # of sent_dp: between HSDP's groups
         "sent_tp": tensor_parallel,
     }
 
@@ -167,6 +179,8 @@ def check(m: dict, layout: Layout, gpus_per_node: int, seq_length: int) -> str |
     """Why `layout` cannot run, or None."""
     if layout.gpus % layout.tp or layout.tp > gpus_per_node:
         return f"--tp-size {layout.tp} must divide the {layout.gpus} GPUs and fit in a node of {gpus_per_node}"
+    if layout.shard and (layout.gpus // layout.tp) % layout.shard:
+        return f"--shard-size {layout.shard} must divide the {layout.gpus // layout.tp} dp ranks"
     for name, value in [("attention heads", m["heads"]), ("key/value heads", m["kv_heads"]), ("--seq-length", seq_length)]:
         if value % layout.tp:
             return f"--tp-size {layout.tp} must divide the model's {name} ({value})"
@@ -174,13 +188,15 @@ def check(m: dict, layout: Layout, gpus_per_node: int, seq_length: int) -> str |
 
 
 def layouts(gpus: int, gpus_per_node: int) -> list[Layout]:
-    """The chapters' layouts, simplest first: DDP, FSDP, then FSDP x TP inside a node, each without
-    and then with activation checkpointing."""
+    """The chapters' layouts, simplest first: DDP, FSDP (and HSDP, a node per group, on several nodes),
+    then FSDP x TP inside a node, each without and then with activation checkpointing."""
     options = [Layout("DDP (01-03)", gpus, sharded=False)]
     for tp in [1, 2, 4, 8]:
         if tp <= gpus_per_node and gpus % tp == 0:
             chapter = "FSDP (04)" if tp == 1 else f"FSDP x TP {tp} (05)"
             options += [Layout(chapter, gpus, tp), Layout(chapter + " + AC", gpus, tp, checkpointing=True)]
+            if gpus > gpus_per_node and tp == 1:
+                options += [Layout("HSDP (04)", gpus, shard=gpus_per_node)]
     return options
 
 
@@ -191,6 +207,7 @@ def main(argv=None) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--tp-size", type=int, default=1, help="the layout to detail (1: FSDP)")
     parser.add_argument("--ddp", action="store_true", help="detail DDP instead of FSDP")
+    parser.add_argument("--shard-size", type=int, default=0, help="HSDP: dp ranks per shard group (default: all)")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--batch-size", type=int, default=1, help="rows per replica per micro-step")
     parser.add_argument("--seq-length", type=int, default=2048)
@@ -207,7 +224,7 @@ def main(argv=None) -> None:
     m = count(args.model)
     gpus = args.nodes * args.gpus_per_node
     compute_bytes = 2 if args.dtype == "bfloat16" else 4
-    chosen = Layout("asked", gpus, args.tp_size, not args.ddp, args.activation_checkpointing)
+    chosen = Layout("asked", gpus, args.tp_size, not args.ddp, args.activation_checkpointing, args.shard_size)
     problem = check(m, chosen, args.gpus_per_node, args.seq_length)
     if problem:
         raise SystemExit(f"error: {problem}")
@@ -219,12 +236,18 @@ def main(argv=None) -> None:
     if args.fp8:
         fp8_layers = ", ".join(m["fp8_layers"][args.tp_size]) or "none (chapter 06 refuses the run)"
         print(f"In FP8 (tensorwise, at tp {args.tp_size}): {fp8_layers} of each block\n")
-    print(f"Per GPU, {'DDP' if args.ddp else 'FSDP'}, tp {args.tp_size}{', AC' if args.activation_checkpointing else ''}:")
+    kind = "DDP" if args.ddp else f"HSDP over {args.shard_size}" if args.shard_size else "FSDP"
+    print(f"Per GPU, {kind}, tp {args.tp_size}{', AC' if args.activation_checkpointing else ''}:")
     for key in ["weights", "gradients", "optimizer", "gathered", "activations", "loss backward", "total"]:
         print(f"  {key:<13} {result[key] / GIB:8.2f} GiB")
-    dp_link = args.network_gbps if args.nodes > 1 else args.nvlink_gbps
-    print(f"  sent per step: {result['sent_dp'] / GIB:.2f} GiB over dp (at best {result['sent_dp'] / 1e9 / dp_link:.3f} s),"
-          f" {result['sent_tp'] / GIB:.2f} GiB over tp (at best {result['sent_tp'] / 1e9 / args.nvlink_gbps:.3f} s)\n")
+    # What crosses the network: all of dp's traffic when its groups span nodes; with HSDP's groups
+    # inside a node (shard x tp GPUs at most a node), only the all-reduce between them.
+    in_node = args.shard_size and args.shard_size * args.tp_size <= args.gpus_per_node
+    network = result["sent_replicate"] if in_node else result["sent_dp"] if args.nodes > 1 else 0
+    nvlink = result["sent_dp"] - network
+    print(f"  sent per step over dp: {network / GIB:.2f} GiB across nodes, {nvlink / GIB:.2f} GiB inside a node "
+          f"(at best {network / 1e9 / args.network_gbps + nvlink / 1e9 / args.nvlink_gbps:.3f} s); "
+          f"{result['sent_tp'] / GIB:.2f} GiB over tp (at best {result['sent_tp'] / 1e9 / args.nvlink_gbps:.3f} s)\n")
 
     usable = 0.9 * args.gpu_memory_gib * GIB  # CUDA's context, allocator fragmentation, temporaries
     print(f"Layouts (fits: under 90% of {args.gpu_memory_gib:g} GiB):")
