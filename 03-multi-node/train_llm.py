@@ -105,8 +105,10 @@ def main():
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(f"{num_params:,} parameters")
     if args.activation_checkpointing:
-        # Each block keeps only its input; its activations are recomputed during backward.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Each block keeps only its input (selective: and its matmuls' and attention's outputs); the rest
+        # is recomputed during backward.
+        options = common.checkpointing_options(args.activation_checkpointing)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 
     # --- 5. Optimizer and LR schedule ---
     optimizer = torch.optim.AdamW(

@@ -330,8 +330,10 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
     """What the chapter does to the model, in the order it must be done (torchtitan's parallelize_llama
     is the model): activation checkpointing, compile, then FSDP."""
     if args.activation_checkpointing:
-        # Each block keeps only its input; its activations are recomputed during backward.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Each block keeps only its input (selective: and its matmuls' and attention's outputs); the rest
+        # is recomputed during backward.
+        options = common.checkpointing_options(args.activation_checkpointing)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     if use_compile:
         # Each block compiled on its own: FSDP's hooks between blocks stay outside the compiled code.
         # Whole, or not at all (fullgraph): a graph break would silently split a block into pieces, each

@@ -368,8 +368,10 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
     if args.tp_size > 1:
         apply_tp(model, blocks, mesh["tp"])
     if args.activation_checkpointing:
-        # Each block keeps only its input; its activations are recomputed during backward.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Each block keeps only its input (selective: and its matmuls' and attention's outputs); the rest
+        # is recomputed during backward.
+        options = common.checkpointing_options(args.activation_checkpointing)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     if use_compile:
         # Each block compiled on its own: FSDP's hooks between blocks stay outside the compiled code.
         # Whole, or not at all (fullgraph): a graph break would silently split a block into pieces, each

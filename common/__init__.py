@@ -16,6 +16,7 @@ from common.data import DEFAULT_DATASET, load_and_pack
 from common.model import (
     DEFAULT_MODEL,
     adamw_param_groups,
+    checkpointing_options,
     load_config_and_tokenizer,
     transformer_blocks,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "base_parser",
     "check_resume",
     "check_save_dir",
+    "checkpointing_options",
     "checkpoint_dir",
     "flops_per_token",
     "latest_checkpoint",

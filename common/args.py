@@ -83,7 +83,13 @@ def base_parser(doc: str, script: str) -> ArgumentParser:
     parser.add_argument("--log-freq", type=positive_int, default=10)
     parser.add_argument("--ckpt-freq", type=positive_int, default=200)
     parser.add_argument("--keep-checkpoints", type=positive_int, default=2, help="the newest K checkpoints are kept")
-    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    parser.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const="full",
+        choices=["full", "selective"],
+        help="recompute each block in backward: all of it (full, the default), or all but its matmuls and attention",
+    )
     parser.add_argument(
         "--export-hf", type=export_folder, help="at the end, write the model and tokenizer here for from_pretrained"
     )

@@ -1,9 +1,11 @@
-"""Loading a model's config and tokenizer with one clear error per way it can go wrong, and AdamW's groups."""
+"""Loading a model's config and tokenizer with one clear error per way it can go wrong, AdamW's groups,
+and what activation checkpointing keeps."""
 
 import os
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from transformers import AutoConfig, AutoTokenizer
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -81,3 +83,41 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
             f"(the model's _no_split_modules names none)"
         )
     return blocks
+
+
+# What selective activation checkpointing keeps of a block (torchtitan's policy): the outputs of the
+# ops whose recomputation costs most, attention, FP8 matmuls, TP's reduce-scatters and every other
+# matmul (q, v, gate and down of a Llama block; k, o and up are recomputed). The rest (norms, the MLP's
+# activation, rotary embeddings, residual adds) is cheap to recompute.
+_KEEP = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+
+
+def _selective_context():
+    matmuls = {False: 0, True: 0}  # counted apart in forward and in recomputation, which must agree
+
+    def policy(ctx, op, *args, **kwargs):
+        if op == torch.ops.aten.mm.default:
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def checkpointing_options(mode: str) -> dict:
+    """torch.utils.checkpoint's options for --activation-checkpointing `mode`, as HF's
+    gradient_checkpointing_enable passes them on: non-reentrant (PyTorch's recommended variant, which
+    torch.compile traces), and with "selective", a fresh per-op policy for every checkpointed block."""
+    options = {"use_reentrant": False}
+    if mode == "selective":
+        options["context_fn"] = _selective_context
+    return options

@@ -71,6 +71,16 @@ def test_compile_traces_every_block_with_no_recompiles(tmp_path, hf_home, fsdp_r
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(fsdp_run / CHAPTER))) <= 1e-5
 
 
+def test_selective_activation_checkpointing_compiles_whole_and_gives_the_same_losses(tmp_path, hf_home, fsdp_run):
+    """HF runs each block's checkpointed forward in a function of its own, which dynamo compiles whole
+    with the checkpoint and its per-op policy (create_selective_checkpoint_contexts). The first
+    evaluation compiles it without grad, and training after it once more (the first graph's guards on
+    grad mode and its input's requires_grad fail once; TORCH_LOGS=recompiles says so): 3, never more."""
+    graphs = compiled_graphs(CHAPTER, tmp_path, hf_home, *ARGS, "--activation-checkpointing", "selective", nproc=2)
+    assert graphs == [1] * 6 + [3] * (STEPS - 6), graphs
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(fsdp_run / CHAPTER))) <= 1e-5
+
+
 def test_each_rank_holds_half(fsdp_run):
     # From rank 0's local shards: half of the fp32 weights, and AdamW's two moments for that half.
     metrics = read_metrics(fsdp_run / CHAPTER)[STEPS]

@@ -21,7 +21,8 @@ that does. The formulas are those the chapter READMEs teach; this is the one pla
   MLP its activation: 6h + 2kv + 4I values in the compute dtype. With TP and sequence parallel,
   all of it is split over the tp ranks except the two gathered inputs of attention and the MLP
   (2h). With activation checkpointing, a block keeps only its input (h), plus one block's full set
-  while it is recomputed. Outside the blocks: the final norm's fp32 input and its two outputs (h fp32
+  while it is recomputed; with selective checkpointing (torchtitan's policy, common/model.py), also
+  the outputs of attention and of every other matmul: 4h + kv + I per token. Outside the blocks: the final norm's fp32 input and its two outputs (h fp32
   and 2h values), and the logits' log-softmax, 4 bytes per vocabulary entry (split over tp with
   loss parallel).
 - The loss's backward, at its start (where a step's memory peaks, all activations still kept):
@@ -65,7 +66,7 @@ class Layout:
     gpus: int  # in the job
     tp: int = 1
     sharded: bool = True  # FSDP; False: DDP
-    checkpointing: bool = False
+    checkpointing: bool | str = False  # True or "full"; "selective"
     shard: int = 0  # HSDP: the dp ranks each tensor is sharded over, replicated across groups of them (0: all)
 
 
@@ -101,7 +102,7 @@ def count(model_name: str) -> dict:
 
 
 def activation_bytes(
-    m: dict, tokens: int, tp: int, checkpointing: bool, compute_bytes: int, compiled: bool = True
+    m: dict, tokens: int, tp: int, checkpointing: bool | str, compute_bytes: int, compiled: bool = True
 ) -> float:
     """Bytes kept for backward on one GPU, for `tokens` tokens (rows x seq-length) of its replica."""
     h, kv, mlp = m["hidden"], m["kv"], m["mlp"]
@@ -111,7 +112,10 @@ def activation_bytes(
         block = 2 * h * 4 + (6 * h + 2 * kv + 4 * mlp) * compute_bytes
     if tp > 1:  # sequence parallel: all of it split, but the two gathered inputs of attention and the MLP
         block = (block - 2 * h * compute_bytes) / tp + 2 * h * compute_bytes
-    if checkpointing:
+    if checkpointing == "selective":  # the input, q, v, gate, down and attention's output of each block
+        kept = (4 * h + kv + mlp) * compute_bytes / tp  # with sequence parallel, all of it split over tp
+        blocks = m["layers"] * kept + block
+    elif checkpointing:
         blocks = m["layers"] * h * compute_bytes / tp + block  # the blocks' inputs, and one block recomputed
     else:
         blocks = m["layers"] * block
@@ -194,7 +198,8 @@ def layouts(gpus: int, gpus_per_node: int) -> list[Layout]:
     for tp in [1, 2, 4, 8]:
         if tp <= gpus_per_node and gpus % tp == 0:
             chapter = "FSDP (04)" if tp == 1 else f"FSDP x TP {tp} (05)"
-            options += [Layout(chapter, gpus, tp), Layout(chapter + " + AC", gpus, tp, checkpointing=True)]
+            options += [Layout(chapter, gpus, tp), Layout(chapter + " + SAC", gpus, tp, checkpointing="selective")]
+            options += [Layout(chapter + " + AC", gpus, tp, checkpointing=True)]
             if gpus > gpus_per_node and tp == 1:
                 options += [Layout("HSDP (04)", gpus, shard=gpus_per_node)]
     return options
@@ -208,7 +213,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tp-size", type=int, default=1, help="the layout to detail (1: FSDP)")
     parser.add_argument("--ddp", action="store_true", help="detail DDP instead of FSDP")
     parser.add_argument("--shard-size", type=int, default=0, help="HSDP: dp ranks per shard group (default: all)")
-    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--activation-checkpointing", nargs="?", const="full", choices=["full", "selective"])
     parser.add_argument("--batch-size", type=int, default=1, help="rows per replica per micro-step")
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
@@ -237,7 +242,8 @@ def main(argv=None) -> None:
         fp8_layers = ", ".join(m["fp8_layers"][args.tp_size]) or "none (chapter 06 refuses the run)"
         print(f"In FP8 (tensorwise, at tp {args.tp_size}): {fp8_layers} of each block\n")
     kind = "DDP" if args.ddp else f"HSDP over {args.shard_size}" if args.shard_size else "FSDP"
-    print(f"Per GPU, {kind}, tp {args.tp_size}{', AC' if args.activation_checkpointing else ''}:")
+    ac = f", {args.activation_checkpointing} AC" if args.activation_checkpointing else ""
+    print(f"Per GPU, {kind}, tp {args.tp_size}{ac}:")
     for key in ["weights", "gradients", "optimizer", "gathered", "activations", "loss backward", "total"]:
         print(f"  {key:<13} {result[key] / GIB:8.2f} GiB")
     # What crosses the network: all of dp's traffic when its groups span nodes; with HSDP's groups
