@@ -12,6 +12,7 @@ from harness import (
     last_lines,
     losses,
     read_metrics,
+    rewind,
     run_chapter,
 )
 
@@ -70,6 +71,16 @@ def test_compile_traces_every_block_with_no_recompiles(tmp_path, hf_home, fsdp_r
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(fsdp_run / CHAPTER))) <= 1e-5
 
 
+def test_selective_activation_checkpointing_compiles_whole_and_gives_the_same_losses(tmp_path, hf_home, fsdp_run):
+    """HF runs each block's checkpointed forward in a function of its own, which dynamo compiles whole
+    with the checkpoint and its per-op policy (create_selective_checkpoint_contexts). The first
+    evaluation compiles it without grad, and training after it once more (the first graph's guards on
+    grad mode and its input's requires_grad fail once; TORCH_LOGS=recompiles says so): 3, never more."""
+    graphs = compiled_graphs(CHAPTER, tmp_path, hf_home, *ARGS, "--activation-checkpointing", "selective", nproc=2)
+    assert graphs == [1] * 6 + [3] * (STEPS - 6), graphs
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(fsdp_run / CHAPTER))) <= 1e-5
+
+
 def test_each_rank_holds_half(fsdp_run):
     # From rank 0's local shards: half of the fp32 weights, and AdamW's two moments for that half.
     metrics = read_metrics(fsdp_run / CHAPTER)[STEPS]
@@ -118,6 +129,30 @@ def test_resume_skips_the_interrupted_save_and_reshards(
         assert max(abs(a - b) for a, b in zip(resumed_losses, reference)) <= 1e-5
     metrics = read_metrics(tmp_path / CHAPTER)[STEPS]
     assert metrics["memory/params_gib"] * 2**30 == pytest.approx(NUM_PARAMS * 4 / nproc, rel=0.05)
+
+
+@pytest.fixture(scope="module")
+def hsdp_run(tmp_path_factory, hf_home, interrupted_run):
+    """The 2-rank FSDP checkpoint of step 4 resumed on 4 ranks as HSDP: 2 groups of 2 ranks, each group
+    a replica sharded over its 2 ranks (2 rows per rank: the same 8 rows per step)."""
+    save_dir = tmp_path_factory.mktemp("hsdp")
+    shutil.copytree(interrupted_run, save_dir / CHAPTER)
+    args = [*ARGS, "--batch-size", "2", "--shard-size", "2", "--ckpt-freq", "4", "--save-dir", str(save_dir)]
+    run_chapter(CHAPTER, *args, nproc=4, hf_home=hf_home, faults={"PROBE_STATE_BYTES": save_dir / "state.json"})
+    return save_dir
+
+
+def test_hsdp_trains_as_fsdp_and_its_checkpoints_load_either_way(tmp_path, hf_home, hsdp_run, fsdp_run):
+    reference = losses(fsdp_run / CHAPTER)
+    # FSDP -> HSDP: from FSDP's checkpoint of step 4, the same losses.
+    assert max(abs(a - b) for a, b in zip(losses(hsdp_run / CHAPTER), reference)) <= 1e-5
+    # Each rank holds its group's shard, half of everything, as the planner says.
+    assert_state_as_planned(hsdp_run / "state.json", Layout("HSDP", gpus=4, shard=2))
+    # HSDP -> FSDP: HSDP's checkpoint of step 8, resumed by plain FSDP on 2 ranks.
+    rewind(hsdp_run / CHAPTER, tmp_path / CHAPTER, 8)
+    resumed = run_chapter(CHAPTER, *ARGS, "--ckpt-freq", "4", "--save-dir", str(tmp_path), nproc=2, hf_home=hf_home)
+    assert "step-00000008 at step 8" in resumed.stderr
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), reference)) <= 1e-5
 
 
 def _damage(name=None):

@@ -50,6 +50,7 @@ Llama 3.1 8B peaks on 8 and 128 GPUs (the README's "How to choose").
 """
 
 import argparse
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,7 @@ class Layout:
     shard: int = 0  # HSDP: the dp ranks each tensor is sharded over, replicated across groups of them (0: all)
 
 
+@functools.cache  # a model's config does not change while the planner runs
 def count(model_name: str) -> dict:
     """Parameters (tied ones once), one block's, and the widths the formulas need, from the config."""
     config = AutoConfig.from_pretrained(model_name)
