@@ -24,22 +24,43 @@ def hf_home(tmp_path_factory):
     return tmp_path_factory.mktemp("hf_home")
 
 
-@pytest.fixture(scope="session")
-def ddp_reference(tmp_path_factory, hf_home):
-    """Chapter 02 on 2 ranks for 12 steps of FAST_ARGS, logging to W&B offline: the reference run that
-    chapter 02 compares with chapter 01, and chapters 03 to 06 with chapter 02. Tests copy it, never
-    write to it. Made once per session: the first pytest-xdist worker to need it runs it, under a lock
-    in the folder all workers share, and the others read it."""
+def _shared_run(tmp_path_factory, name: str, run):
+    """`run(save_dir)` once per session: the first pytest-xdist worker to need it runs it, under a lock
+    in the folder all workers share, and the others read it. Tests copy it, never write to it."""
     from filelock import FileLock
-    from harness import FAST_ARGS, OFFLINE_WANDB, run_chapter
 
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    save_dir, complete = shared / "ddp_reference", shared / "ddp_reference.complete"
-    with FileLock(shared / "ddp_reference.lock"):
+    save_dir, complete = shared / name, shared / f"{name}.complete"
+    with FileLock(shared / f"{name}.lock"):
         if not complete.exists():  # a run that failed half-way is made again
             shutil.rmtree(save_dir, ignore_errors=True)
-            args = [*FAST_ARGS, "--max-steps", "12", "--experiment-name", "ddp", "--save-dir", str(save_dir)]
-            run_chapter("02-multi-gpu", *args, nproc=2, hf_home=hf_home, env=OFFLINE_WANDB)
+            run(save_dir)
             complete.touch()
-    return save_dir / "ddp"
+    return save_dir
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(tmp_path_factory, hf_home):
+    """Chapter 02 on 2 ranks for 12 steps of FAST_ARGS, logging to W&B offline: the reference run that
+    chapter 02 compares with chapter 01, and chapters 03 to 06 with chapter 02."""
+    from harness import FAST_ARGS, OFFLINE_WANDB, run_chapter
+
+    def run(save_dir):
+        args = [*FAST_ARGS, "--max-steps", "12", "--experiment-name", "ddp", "--save-dir", str(save_dir)]
+        run_chapter("02-multi-gpu", *args, nproc=2, hf_home=hf_home, env=OFFLINE_WANDB)
+
+    return _shared_run(tmp_path_factory, "ddp_reference", run) / "ddp"
+
+
+@pytest.fixture(scope="session")
+def chapter_01_reference(tmp_path_factory, hf_home):
+    """Chapter 01 for 12 steps of FAST_ARGS with ddp_reference's global batch (2 ranks x 4 rows): what
+    chapter 02 must reproduce, and one of the runs the plot test draws."""
+    from harness import FAST_ARGS, run_chapter
+
+    def run(save_dir):
+        args = [*FAST_ARGS, "--batch-size", "8", "--max-steps", "12", "--save-dir", str(save_dir)]
+        run_chapter("01-single-gpu", *args, hf_home=hf_home)
+
+    return _shared_run(tmp_path_factory, "chapter_01_reference", run) / "01-single-gpu"

@@ -30,12 +30,9 @@ def straight_run(ddp_reference):
 
 
 @pytest.fixture(scope="module")
-def chapter_01_run(tmp_path_factory, hf_home):
-    """Chapter 01 with the global batch of RANKS ranks x 4 rows."""
-    save_dir = tmp_path_factory.mktemp("chapter_01")
-    args = [*FAST_ARGS, "--batch-size", str(4 * RANKS), "--max-steps", str(STEPS), "--save-dir", str(save_dir)]
-    run_chapter("01-single-gpu", *args, hf_home=hf_home)
-    return save_dir / "01-single-gpu"
+def chapter_01_run(chapter_01_reference):
+    """Chapter 01 with the global batch of RANKS ranks x 4 rows (tests/conftest.py)."""
+    return chapter_01_reference
 
 
 def test_matches_chapter_01_with_the_same_global_batch(chapter_01_run, straight_run):

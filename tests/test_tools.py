@@ -7,24 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from harness import FAST_ARGS, REPO, last_line, run_chapter
+from harness import REPO, last_line
 
 from tools.diff import chapters, render_block, updated_readme
-
-
-@pytest.fixture(scope="module")
-def straight_run(ddp_reference):
-    """Chapter 02 on 2 ranks (tests/conftest.py)."""
-    return ddp_reference
-
-
-@pytest.fixture(scope="module")
-def chapter_01_run(tmp_path_factory, hf_home):
-    """Chapter 01 with chapter 02's global batch (2 ranks x 4 rows), as in test_02_multi_gpu.py."""
-    save_dir = tmp_path_factory.mktemp("chapter_01")
-    args = [*FAST_ARGS, "--batch-size", "8", "--max-steps", "12", "--save-dir", str(save_dir)]
-    run_chapter("01-single-gpu", *args, hf_home=hf_home)
-    return save_dir / "01-single-gpu"
 
 
 def test_chapter_readmes_embed_their_current_diff():
@@ -238,11 +223,11 @@ def test_planner_hsdp_keeps_all_but_one_all_reduce_inside_the_node(capsys):
     assert f"{hsdp['sent_replicate'] / GIB:.2f} GiB across nodes" in out
 
 
-def test_plot_draws_the_runs_and_refuses_a_folder_without_metrics(tmp_path, chapter_01_run, straight_run):
+def test_plot_draws_the_runs_and_refuses_a_folder_without_metrics(tmp_path, chapter_01_reference, ddp_reference):
     """python -m tools.plot, as the README prints it, on chapter 01's and chapter 02's runs."""
     png = tmp_path / "loss_curves.png"
     plot = [sys.executable, "-m", "tools.plot"]
-    proc = subprocess.run([*plot, str(chapter_01_run), str(straight_run), "--output", str(png)], cwd=REPO,
+    proc = subprocess.run([*plot, str(chapter_01_reference), str(ddp_reference), "--output", str(png)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     from matplotlib.image import imread
