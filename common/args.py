@@ -49,9 +49,6 @@ def export_folder(text):
     return text
 
 
-export_folder.__name__ = "a folder"
-
-
 def base_parser(doc: str, script: str) -> ArgumentParser:
     """Chapter 01's flags. `script` is the chapter's train_llm.py: its folder names the default run."""
     parser = ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
