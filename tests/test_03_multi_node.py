@@ -291,7 +291,7 @@ def test_slurm_time_limit_stops_with_a_checkpoint_and_requeues(tmp_path, hf_home
         time.sleep(0.5)
     job_output = (tmp_path / f"train-llm-{job}.out").read_text()
     logs = "".join(p.read_text() for p in logs.glob("*.log"))
-    assert "SIGTERM: the training stops with a checkpoint" in job_output and "Requeued" in job_output, job_output
+    assert "SIGTERM: the training stops with a checkpoint" in job_output and "Requeueing" in job_output, job_output
     stopped = re.search(r"Stopped by SIGTERM at step (\d+)", logs)
     assert stopped and f"at step {stopped.group(1)}" in logs.split("Stopped by SIGTERM")[1], logs[-3000:]
     assert f"Done: {steps} steps" in logs
