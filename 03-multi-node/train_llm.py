@@ -233,13 +233,14 @@ def main():
                 if due(args.ckpt_freq) or stopping:
                     guard.check()  # a model with NaN weights never becomes a checkpoint
                     state["running_loss"], state["steps_since_log"] = float(running_loss), steps_since_log
-                    # All ranks hold the same weights and optimizer state: rank 0 writes for everyone.
-                    if rank == 0:
-                        save_checkpoint(
-                            exp_dir, model.module, optimizer, lr_scheduler, state, device, args.keep_checkpoints
-                        )
-                    # No rank runs ahead (and may crash) before the checkpoint is complete.
-                    dist.barrier()
+                    with timers("checkpoint"):  # what the save costs the training loop
+                        # All ranks hold the same weights and optimizer state: rank 0 writes for everyone.
+                        if rank == 0:
+                            save_checkpoint(
+                                exp_dir, model.module, optimizer, lr_scheduler, state, device, args.keep_checkpoints
+                            )
+                        # No rank runs ahead (and may crash) before the checkpoint is complete.
+                        dist.barrier()
                     log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
                 if stopping:
                     break

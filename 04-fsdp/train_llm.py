@@ -180,6 +180,7 @@ def main():
     timers = common.PhaseTimers(device)
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
+    async_saves = common.AsyncCheckpoints(args.keep_checkpoints, args.dist_timeout) if args.async_checkpoints else None
     postfix = {}  # what the progress bar shows after the counts
     running_loss = state["running_loss"]
     steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
@@ -218,6 +219,8 @@ def main():
                 running_loss += loss
                 steps_since_log += 1
                 guard.update(state["global_step"], loss, grad_norm)
+                if async_saves:
+                    async_saves.poll()  # published as soon as every rank has written it
 
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.agreed(device)
@@ -254,7 +257,10 @@ def main():
                     guard.check()  # a model with NaN weights never becomes a checkpoint
                     state["running_loss"], state["steps_since_log"] = float(running_loss), steps_since_log
                     # Every rank writes its own shards; rank 0 adds the rest and publishes the checkpoint.
-                    save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints)
+                    with timers("checkpoint"):  # what the save costs the training loop
+                        save_checkpoint(
+                            exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints, async_saves
+                        )
                     log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
                 if stopping:
                     break
@@ -264,6 +270,8 @@ def main():
                 state["epoch_step"] = 0
 
     # --- 8. Export ---
+    if async_saves:
+        async_saves.wait()  # a stop, and the end, wait for the last checkpoint to be written
     if args.export_hf and not stopping:
         export_hf(model, config, tokenizer, args.export_hf, export_dtype)
     if stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
@@ -433,8 +441,9 @@ def evaluate(model, val_data, args, device, autocast) -> float:
     return total.item() / (len(rows) // args.batch_size)
 
 
-def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep):
-    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position."""
+def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):
+    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position. With
+    `async_saves`, it returns once the shards are in CPU memory; async_saves publishes them once written."""
     final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
     # Written under a temporary name and renamed when complete: a crash mid-save leaves no
     # checkpoint that resume would trust.
@@ -448,15 +457,20 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
         # Every rank writes its own shards, in parallel, and DCP records where each shard sits in the
         # full tensor: a job with another number of ranks can load them, resharded.
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp_dir)
+        shards = {"model": model_state, "optimizer": optimizer_state}
+        if async_saves:
+            async_saves.start(shards, tmp_dir, final_dir, state["global_step"])
+        else:
+            dcp.save(shards, checkpoint_id=tmp_dir)
         if rank == 0:
             torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
             # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
             torch.save(common.rng_state(device), tmp_dir / "rng.pt")
             (tmp_dir / "state.json").write_text(json.dumps(state))
-            common.publish_checkpoint(tmp_dir, final_dir, keep)
-            logger.info(f"Saved {final_dir}")
-    # No rank runs ahead (and may crash) before the checkpoint is complete.
+            if not async_saves:
+                common.publish_checkpoint(tmp_dir, final_dir, keep)
+                logger.info(f"Saved {final_dir}")
+    # No rank runs ahead (and may crash) before the checkpoint is complete (or, asynchronous, under way).
     dist.barrier()
 
 
@@ -489,6 +503,7 @@ def get_parser():
         "--shard-size", type=common.positive_int, help="ranks that shard the model (default: all; fewer: HSDP)"
     )
     parser.add_argument("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
+    parser.add_argument("--async-checkpoints", action="store_true", help="write checkpoints beside training")
     return parser
 
 

@@ -50,7 +50,6 @@ from transformers import AutoModelForCausalLM
 import common
 from common import tp
 
-
 logger = logging.getLogger(__name__)
 
 
@@ -203,6 +202,7 @@ def main():
     timers = common.PhaseTimers(device)
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
+    async_saves = common.AsyncCheckpoints(args.keep_checkpoints, args.dist_timeout) if args.async_checkpoints else None
     postfix = {}  # what the progress bar shows after the counts
     running_loss = state["running_loss"]
     steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
@@ -243,6 +243,8 @@ def main():
                 running_loss += loss
                 steps_since_log += 1
                 guard.update(state["global_step"], loss, grad_norm)
+                if async_saves:
+                    async_saves.poll()  # published as soon as every rank has written it
 
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.agreed(device)
@@ -279,7 +281,10 @@ def main():
                     guard.check()  # a model with NaN weights never becomes a checkpoint
                     state["running_loss"], state["steps_since_log"] = float(running_loss), steps_since_log
                     # Every rank writes its own shards; rank 0 adds the rest and publishes the checkpoint.
-                    save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints)
+                    with timers("checkpoint"):  # what the save costs the training loop
+                        save_checkpoint(
+                            exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints, async_saves
+                        )
                     log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
                 if stopping:
                     break
@@ -289,6 +294,8 @@ def main():
                 state["epoch_step"] = 0
 
     # --- 8. Export ---
+    if async_saves:
+        async_saves.wait()  # a stop, and the end, wait for the last checkpoint to be written
     if args.export_hf and not stopping:
         export_hf(model, config, tokenizer, args.export_hf, export_dtype)
     if stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
@@ -403,10 +410,9 @@ def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
 
 
 def apply_tp(model, blocks, tp_mesh):
-    """Splits each block's matmuls over the tp ranks (Megatron-LM's tensor parallel) and its norms over
-    the tokens (sequence parallel); the embedding and the output layer over the vocabulary (README: "How it
-    works"). The plan names Llama's modules, which Mistral, Qwen and others share; HF passes attention its
-    input by keyword."""
+    """Splits each block's matmuls over the tp ranks (Megatron-LM's tensor parallel), its norms over the
+    tokens (sequence parallel), the embedding and output layer over the vocabulary (README: "How it works").
+    The plan names Llama's modules, which Mistral, Qwen and others share; HF passes attention its input by keyword."""
     root_plan = {
         # The embedding's output is the first residual stream: split over the tokens. It stays a
         # DTensor (use_local_output=False), whose shape HF reads as the full sequence's.
@@ -440,7 +446,6 @@ def apply_tp(model, blocks, tp_mesh):
     if model.config.tie_word_embeddings:
         # Both were split over the vocabulary (dim 0) alike, but into two new parameters: tie them again.
         model.lm_head.weight = model.model.embed_tokens.weight
-
 
 
 def next_token_loss(logits, labels):
@@ -509,8 +514,7 @@ def evaluate(model, val_data, args, device, autocast, dp_mesh) -> float:
     gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
     global_batch = dp_mesh.size() * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
-    # Each replica takes every dp_size-th row, and the sum of the batches' mean losses is all-reduced
-    # over the replicas.
+    # Each replica takes every dp_size-th row; the sum of the batches' mean losses is all-reduced over dp.
     sampler = DistributedSampler(rows, num_replicas=dp_mesh.size(), rank=dp_mesh.get_local_rank(), shuffle=False)
     total = torch.zeros((), device=device)
     model.eval()
@@ -523,8 +527,9 @@ def evaluate(model, val_data, args, device, autocast, dp_mesh) -> float:
     return total.item() / (len(rows) // args.batch_size)
 
 
-def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep):
-    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position."""
+def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):
+    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position. With
+    `async_saves`, it returns once the shards are in CPU memory; async_saves publishes them once written."""
     final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
     # Written under a temporary name and renamed when complete: a crash mid-save leaves no
     # checkpoint that resume would trust.
@@ -538,15 +543,20 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
         # Every rank writes its own shards, in parallel, and DCP records where each shard sits in the
         # full tensor: a job with another number of ranks can load them, resharded.
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp_dir)
+        shards = {"model": model_state, "optimizer": optimizer_state}
+        if async_saves:
+            async_saves.start(shards, tmp_dir, final_dir, state["global_step"])
+        else:
+            dcp.save(shards, checkpoint_id=tmp_dir)
         if rank == 0:
             torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
             # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
             torch.save(common.rng_state(device), tmp_dir / "rng.pt")
             (tmp_dir / "state.json").write_text(json.dumps(state))
-            common.publish_checkpoint(tmp_dir, final_dir, keep)
-            logger.info(f"Saved {final_dir}")
-    # No rank runs ahead (and may crash) before the checkpoint is complete.
+            if not async_saves:
+                common.publish_checkpoint(tmp_dir, final_dir, keep)
+                logger.info(f"Saved {final_dir}")
+    # No rank runs ahead (and may crash) before the checkpoint is complete (or, asynchronous, under way).
     dist.barrier()
 
 
@@ -582,6 +592,7 @@ def get_parser():
         "--shard-size", type=common.positive_int, help="ranks that shard the model (default: all; fewer: HSDP)"
     )
     parser.add_argument("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
+    parser.add_argument("--async-checkpoints", action="store_true", help="write checkpoints beside training")
     return parser
 
 

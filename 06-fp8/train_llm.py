@@ -60,7 +60,6 @@ from transformers import AutoModelForCausalLM
 import common
 from common import fp8, tp
 
-
 logger = logging.getLogger(__name__)
 
 
@@ -222,6 +221,7 @@ def main():
     timers = common.PhaseTimers(device)
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
+    async_saves = common.AsyncCheckpoints(args.keep_checkpoints, args.dist_timeout) if args.async_checkpoints else None
     fp8_stats = fp8.Float8Stats(model, None, device, reduce=args.fp8_stats_group == "world", every=args.fp8_stats_every)
     postfix = {}  # what the progress bar shows after the counts
     running_loss = state["running_loss"]
@@ -266,6 +266,8 @@ def main():
                 running_loss += loss
                 steps_since_log += 1
                 guard.update(state["global_step"], loss, grad_norm)
+                if async_saves:
+                    async_saves.poll()  # published as soon as every rank has written it
 
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.agreed(device)
@@ -302,7 +304,10 @@ def main():
                     guard.check()  # a model with NaN weights never becomes a checkpoint
                     state["running_loss"], state["steps_since_log"] = float(running_loss), steps_since_log
                     # Every rank writes its own shards; rank 0 adds the rest and publishes the checkpoint.
-                    save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints)
+                    with timers("checkpoint"):  # what the save costs the training loop
+                        save_checkpoint(
+                            exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints, async_saves
+                        )
                     log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
                 if stopping:
                     break
@@ -312,6 +317,8 @@ def main():
                 state["epoch_step"] = 0
 
     # --- 8. Export ---
+    if async_saves:
+        async_saves.wait()  # a stop, and the end, wait for the last checkpoint to be written
     if args.export_hf and not stopping:
         export_hf(model, config, tokenizer, args.export_hf, export_dtype)
     if stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
@@ -454,10 +461,9 @@ def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
 
 
 def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
-    """Splits each block's matmuls over the tp ranks (Megatron-LM's tensor parallel) and its norms over
-    the tokens (sequence parallel); the embedding and the output layer over the vocabulary (README: "How it
-    works"). The plan names Llama's modules, which Mistral, Qwen and others share; HF passes attention its
-    input by keyword.
+    """Splits each block's matmuls over the tp ranks (Megatron-LM's tensor parallel), its norms over the
+    tokens (sequence parallel), the embedding and output layer over the vocabulary (README: "How it works").
+    The plan names Llama's modules, which Mistral, Qwen and others share; HF passes attention its input by keyword.
 
     With one FP8 scale per tensor, torchao's float8 styles cast the blocks' inputs to FP8 before
     all-gathering them: half the bytes. (Per-row scales cannot be computed on a slice of the tokens.)
@@ -509,7 +515,6 @@ def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
     if model.config.tie_word_embeddings:
         # Both were split over the vocabulary (dim 0) alike, but into two new parameters: tie them again.
         model.lm_head.weight = model.model.embed_tokens.weight
-
 
 
 def next_token_loss(logits, labels):
@@ -579,8 +584,7 @@ def evaluate(model, val_data, args, device, autocast, dp_mesh) -> float:
     gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
     global_batch = dp_mesh.size() * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
-    # Each replica takes every dp_size-th row, and the sum of the batches' mean losses is all-reduced
-    # over the replicas.
+    # Each replica takes every dp_size-th row; the sum of the batches' mean losses is all-reduced over dp.
     sampler = DistributedSampler(rows, num_replicas=dp_mesh.size(), rank=dp_mesh.get_local_rank(), shuffle=False)
     total = torch.zeros((), device=device)
     model.eval()
@@ -593,8 +597,9 @@ def evaluate(model, val_data, args, device, autocast, dp_mesh) -> float:
     return total.item() / (len(rows) // args.batch_size)
 
 
-def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep):
-    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position."""
+def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):
+    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position. With
+    `async_saves`, it returns once the shards are in CPU memory; async_saves publishes them once written."""
     final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
     # Written under a temporary name and renamed when complete: a crash mid-save leaves no
     # checkpoint that resume would trust.
@@ -608,15 +613,20 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
         # Every rank writes its own shards, in parallel, and DCP records where each shard sits in the
         # full tensor: a job with another number of ranks can load them, resharded.
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.save({"model": fp8.weights_only(model_state), "optimizer": optimizer_state}, checkpoint_id=tmp_dir)
+        shards = {"model": fp8.weights_only(model_state), "optimizer": optimizer_state}
+        if async_saves:
+            async_saves.start(shards, tmp_dir, final_dir, state["global_step"])
+        else:
+            dcp.save(shards, checkpoint_id=tmp_dir)
         if rank == 0:
             torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
             # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
             torch.save(common.rng_state(device), tmp_dir / "rng.pt")
             (tmp_dir / "state.json").write_text(json.dumps(state))
-            common.publish_checkpoint(tmp_dir, final_dir, keep)
-            logger.info(f"Saved {final_dir}")
-    # No rank runs ahead (and may crash) before the checkpoint is complete.
+            if not async_saves:
+                common.publish_checkpoint(tmp_dir, final_dir, keep)
+                logger.info(f"Saved {final_dir}")
+    # No rank runs ahead (and may crash) before the checkpoint is complete (or, asynchronous, under way).
     dist.barrier()
 
 
@@ -672,6 +682,7 @@ def get_parser():
         "--shard-size", type=common.positive_int, help="ranks that shard the model (default: all; fewer: HSDP)"
     )
     parser.add_argument("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
+    parser.add_argument("--async-checkpoints", action="store_true", help="write checkpoints beside training")
     return parser
 
 

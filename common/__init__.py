@@ -2,6 +2,7 @@
 
 from common.args import base_parser, non_negative_int, positive_float, positive_int
 from common.checkpoints import (
+    AsyncCheckpoints,
     check_resume,
     check_save_dir,
     checkpoint_dir,
@@ -37,6 +38,7 @@ from common.utils import (
 )
 
 __all__ = [
+    "AsyncCheckpoints",
     "DEFAULT_DATASET",
     "DEFAULT_MODEL",
     "NonFiniteGuard",

@@ -1,14 +1,21 @@
 """Checkpoint folders: atomic publishing, the newest K kept, and the checks around saving and resuming."""
 
 import errno
+import logging
 import os
 import re
 import shutil
+import time
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
+
+logger = logging.getLogger(__name__)
 
 _CHECKPOINT_NAME = re.compile(r"step-(\d+)")
 
@@ -44,10 +51,49 @@ def publish_checkpoint(tmp_dir: Path, final_dir: Path, keep: int) -> None:
     fd = os.open(final_dir.parent, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
-    # *.tmp folders are saves that a crash interrupted; they never count as checkpoints.
-    stale = [p for p in final_dir.parent.iterdir() if p.name.endswith(".tmp")]
+    # Older *.tmp folders are saves that a crash interrupted; they never count as checkpoints. (A newer
+    # one may be a save being written: --async-checkpoints.)
+    stale = [p for p in final_dir.parent.glob("step-*.tmp") if p.name < final_dir.name]
     for old in complete_checkpoints(final_dir.parent.parent)[:-keep] + stale:
         shutil.rmtree(old)
+
+
+class AsyncCheckpoints:
+    """--async-checkpoints: DCP saves whose shards a thread writes (dcp.async_save) while training goes
+    on, one save at a time. A save stays a *.tmp folder, which resume ignores and keep-last-k never
+    counts, until rank 0 publishes it: once its own write has finished, which DCP ends by gathering
+    every rank's result, so every rank's shards are on disk by then. A kill during the write leaves
+    the checkpoint before it the last one."""
+
+    def __init__(self, keep: int, timeout_minutes: float):
+        # The write's collectives run in a thread, beside training's, so they need a group of their own;
+        # a CPU one (gloo), since they coordinate shards already copied to CPU memory.
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
+        self.keep = keep
+        self.pending = None
+
+    def start(self, shards: dict, tmp_dir: Path, final_dir: Path, step: int) -> None:
+        """Returns once the shards are copied to CPU memory (training may change them from then on)."""
+        self.wait()  # for the save before, if still in flight
+        future = dcp.async_save(shards, checkpoint_id=tmp_dir, process_group=self.group)
+        self.pending = (future, tmp_dir, final_dir, step, time.perf_counter())
+
+    def poll(self) -> None:
+        """Publishes the save in flight if this rank's write has finished; never waits."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Waits for the save in flight, if any, then rank 0 publishes it."""
+        if self.pending is None:
+            return
+        future, tmp_dir, final_dir, step, start = self.pending
+        self.pending = None
+        with saving(tmp_dir, step):
+            future.result()  # raises on every rank if any rank's write failed
+        if dist.get_rank() == 0:
+            publish_checkpoint(tmp_dir, final_dir, self.keep)
+            logger.info(f"Saved {final_dir}, written in {time.perf_counter() - start:.1f} s beside training")
 
 
 @contextmanager

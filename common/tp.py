@@ -67,7 +67,10 @@ class SplitNorm(ParallelStyle):
         def split_input(module, inputs, mesh):
             return tuple(DTensor.from_local(x, mesh, [Shard(x.dim() - 1)], run_check=False) for x in inputs)
 
-        return distribute_module(module, mesh, split_weight, split_input, lambda module, output, mesh: output.to_local())
+        def local_output(module, output, mesh):
+            return output.to_local()
+
+        return distribute_module(module, mesh, split_weight, split_input, local_output)
 
 
 def has_module(module, name: str) -> bool:

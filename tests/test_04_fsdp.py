@@ -155,6 +155,51 @@ def test_hsdp_trains_as_fsdp_and_its_checkpoints_load_either_way(tmp_path, hf_ho
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), reference)) <= 1e-5
 
 
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory, hf_home):
+    """--async-checkpoints every 2 steps, keeping 1. Rank 1 writes its shards 2 s late, longer than 2 steps
+    take, so each save waits for the one before; it is killed half-way through its 4th (step 8)."""
+    save_dir = tmp_path_factory.mktemp("async")
+    args = [*ARGS, "--async-checkpoints", "--ckpt-freq", "2", "--keep-checkpoints", "1", "--save-dir", str(save_dir)]
+    faults = {"FAULT_SLOW_SHARD_WRITE": 2, "FAULT_KILL_DURING_SHARD_WRITE": 4, "FAULT_RANK": 1}
+    proc = run_chapter(CHAPTER, *args, nproc=2, hf_home=hf_home, faults=faults, check=False)
+    assert proc.returncode != 0
+    return save_dir / CHAPTER, args, proc.stderr
+
+
+def test_async_checkpoints_are_written_beside_training_and_published_once_complete(async_run, fsdp_run):
+    exp_dir, _, log = async_run
+    # Rank 0 had written its shards of step 8, rank 1 had not: not published. Publishing step 6 (at step 8's
+    # save, while step-8.tmp existed: one save at a time) removed step 4 (--keep-checkpoints 1), not step 8.
+    # (Rank 0 may have gone on to step 10's save, and made its folder, before rank 1 was killed.)
+    folders = sorted(p.name for p in (exp_dir / "checkpoints").iterdir())
+    assert folders[:2] == ["step-00000006", "step-00000008.tmp"] and folders[2:] in [[], ["step-00000010.tmp"]]
+    assert [f"step-0000000{step}, written" in log for step in [2, 4, 6, 8]] == [True, True, True, False], log[-3000:]
+    metrics = read_metrics(exp_dir)
+    # The save of step 2 held the training loop for a copy to CPU memory, not for the 2 s write.
+    assert metrics[3]["time/checkpoint_ms"] < 1000, metrics[3]
+    # Training went on as without checkpoints, past step 8 (until step 10's save waited for step 8's).
+    trained = losses(exp_dir)
+    assert len(trained) >= 8 and trained == losses(fsdp_run / CHAPTER)[: len(trained)]
+
+
+def test_async_checkpoints_resume_exactly_and_a_stop_waits_for_the_write(tmp_path, hf_home, async_run, fsdp_run):
+    """Resumed from step 6, and stopped by SIGTERM in step 9: the stop's save, written 2 s late, is
+    published before the job exits."""
+    exp_dir, args, _ = async_run
+    shutil.copytree(exp_dir, tmp_path / CHAPTER)
+    args = [*args[: args.index("--save-dir")], "--save-dir", str(tmp_path)]
+    # Step 9 is the 4th optimizer step of the process: loading AdamW's state takes one (DCP's _init_optim_state).
+    faults = {"FAULT_SLOW_SHARD_WRITE": 2, "FAULT_SIGNAL_AT_STEP": 4, "FAULT_RANK": 1}
+    stopped = run_chapter(CHAPTER, *args, nproc=2, hf_home=hf_home, faults=faults)
+    assert "step-00000006 at step 6" in stopped.stderr
+    published = stopped.stderr.split("step-00000009, written")
+    assert len(published) == 2 and "Stopped by a signal to another rank at step 9" in published[1], stopped.stderr
+    checkpoints = (tmp_path / CHAPTER / "checkpoints").glob("step-*")
+    assert [p.name for p in checkpoints if not p.name.endswith(".tmp")] == ["step-00000009"]
+    assert losses(tmp_path / CHAPTER)[:9] == losses(fsdp_run / CHAPTER)[:9]  # steps 7 to 9 logged again
+
+
 def _damage(name=None):
     """A copy of the interrupted run whose checkpoint's file `name` is cut in half."""
 

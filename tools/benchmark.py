@@ -100,8 +100,13 @@ def benchmark(argv: list[str]) -> None:
         print(f"  MFU           {statistics.median(r['mfu'] for r in measured):.1%}")
     for key in sorted(k for k in measured[-1] if k.startswith("memory/peak")):
         print(f"  {key.removeprefix('memory/'):<13} {max(r[key] for r in measured):.2f} GiB (rank 0)")
-    for key in sorted(k for k in measured[-1] if k.startswith("time/")):
+    for key in sorted(k for k in measured[-1] if k.startswith("time/") and k != "time/checkpoint_ms"):
         print(f"  {key.removeprefix('time/'):<13} {statistics.median(r[key] for r in measured):.1f} (median)")
+    # A phase is averaged over the steps of its log interval: a save's time is that times their number.
+    intervals = zip(records, records[1:])
+    saves = [r["time/checkpoint_ms"] * (r["step"] - before["step"]) for before, r in intervals if "time/checkpoint_ms" in r]
+    if saves:
+        print(f"  checkpoint    {statistics.median(saves):.0f} ms of training per save (median of {len(saves)})")
     print(f"  final loss    {measured[-1]['loss']:.3f}")
 
 

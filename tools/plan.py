@@ -255,7 +255,13 @@ def main(argv=None) -> None:
     nvlink = result["sent_dp"] - network
     print(f"  sent per step over dp: {network / GIB:.2f} GiB across nodes, {nvlink / GIB:.2f} GiB inside a node "
           f"(at best {network / 1e9 / args.network_gbps + nvlink / 1e9 / args.nvlink_gbps:.3f} s); "
-          f"{result['sent_tp'] / GIB:.2f} GiB over tp (at best {result['sent_tp'] / 1e9 / args.nvlink_gbps:.3f} s)\n")
+          f"{result['sent_tp'] / GIB:.2f} GiB over tp (at best {result['sent_tp'] / 1e9 / args.nvlink_gbps:.3f} s)")
+    # A checkpoint holds the fp32 weights and AdamW's moments once: DCP spreads the writing over all
+    # ranks (DDP: rank 0 writes it all). --async-checkpoints first copies each rank's state to CPU memory.
+    state = result["weights"] + result["optimizer"]
+    written = state if args.ddp else 12 * m["params"] / gpus
+    print(f"  checkpoint: {written / GIB:.2f} GiB written per GPU per save; --async-checkpoints (04-06) copies "
+          f"{state / GIB:.2f} GiB per GPU to CPU memory first, {state * args.gpus_per_node / GIB:.0f} GiB per node\n")
 
     usable = 0.9 * args.gpu_memory_gib * GIB  # CUDA's context, allocator fragmentation, temporaries
     print(f"Layouts (fits: under 90% of {args.gpu_memory_gib:g} GiB):")

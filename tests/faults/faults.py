@@ -54,6 +54,41 @@ def kill_during_checkpoint(count: int) -> None:
     torch.save = save_or_die_half_way
 
 
+def kill_during_shard_write(count: int) -> None:
+    """DCP writes each rank's shards item by item (filesystem._write_item): die after the first item
+    of this rank's count-th save, with --async-checkpoints in the thread that writes it."""
+    from torch.distributed.checkpoint import filesystem
+
+    write_item = filesystem._write_item
+    saves = []
+
+    def write_item_or_die(transforms, stream, *args, **kwargs):
+        result = write_item(transforms, stream, *args, **kwargs)
+        folder = Path(stream.name).parent
+        if folder not in saves:
+            saves.append(folder)
+            if len(saves) == count:
+                stream.flush()
+                die()
+        return result
+
+    filesystem._write_item = write_item_or_die
+
+
+def slow_shard_writes(seconds: float) -> None:
+    import time
+
+    from torch.distributed.checkpoint import filesystem
+
+    write_files = filesystem._write_files_from_queue
+
+    def slow_write_files(*args, **kwargs):
+        time.sleep(seconds)
+        return write_files(*args, **kwargs)
+
+    filesystem._write_files_from_queue = slow_write_files
+
+
 def strike_at_step(fault: str, fault_step: int) -> None:
     """One of STEP_FAULTS, through torch's global optimizer step hooks (registered after the probes')."""
     import torch
@@ -127,6 +162,8 @@ if FIRST_ATTEMPT:
         kill_after_checkpoint(int(os.environ["FAULT_KILL_AFTER_CHECKPOINT"]))
     if "FAULT_KILL_DURING_CHECKPOINT" in os.environ:
         kill_during_checkpoint(int(os.environ["FAULT_KILL_DURING_CHECKPOINT"]))
+    if "FAULT_KILL_DURING_SHARD_WRITE" in os.environ and RANK == os.environ.get("FAULT_RANK", "0"):
+        kill_during_shard_write(int(os.environ["FAULT_KILL_DURING_SHARD_WRITE"]))
     step_fault = next((name for name in STEP_FAULTS if name in os.environ), None)
     if step_fault and RANK == os.environ.get("FAULT_RANK", "0"):
         strike_at_step(step_fault, int(os.environ[step_fault]))
@@ -134,3 +171,5 @@ if FIRST_ATTEMPT:
         wrong_fp8_scales(float(os.environ["FAULT_FP8_SCALE"]))
 if "FAULT_SLOW_DATA" in os.environ and RANK == "0":
     slow_data(float(os.environ["FAULT_SLOW_DATA"]))
+if "FAULT_SLOW_SHARD_WRITE" in os.environ and RANK == os.environ.get("FAULT_RANK", "0"):
+    slow_shard_writes(float(os.environ["FAULT_SLOW_SHARD_WRITE"]))

@@ -6,6 +6,9 @@ Faults (faults.py) make a run fail as a real one can:
 
 FAULT_KILL_AFTER_CHECKPOINT=N   SIGKILL this process right after its N-th checkpoint is published.
 FAULT_KILL_DURING_CHECKPOINT=N  SIGKILL this process half-way through a file of its N-th checkpoint.
+FAULT_KILL_DURING_SHARD_WRITE=N SIGKILL rank FAULT_RANK (default 0) half-way through writing its shards of its
+                                N-th DCP checkpoint (chapters 04-06; with --async-checkpoints, in the writing thread).
+FAULT_SLOW_SHARD_WRITE=S        rank FAULT_RANK writes its shards of every DCP checkpoint S seconds more slowly.
 FAULT_RAISE_AT_STEP=N           raise in the N-th optimizer step, on the rank FAULT_RANK (default 0).
 FAULT_KILL_AT_STEP=N            SIGKILL in the N-th optimizer step, on the rank FAULT_RANK (default 0).
 FAULT_NAN_AT_STEP=N             after the N-th optimizer step of rank FAULT_RANK, a weight becomes NaN.
@@ -20,7 +23,7 @@ FAULT_FP8_SCALE=F               every FP8 scale torchao computes is F x the righ
                                 tensor keeps that scale, so with F > 1 every value above amax / F clamps.
 
 A fault strikes once: when torchrun restarts the workers (TORCHELASTIC_RESTART_COUNT > 0), none is
-armed, FAULT_SLOW_DATA excepted (it slows every attempt).
+armed, FAULT_SLOW_DATA and FAULT_SLOW_SHARD_WRITE excepted (they slow every attempt).
 
 Probes (probes.py, scaled_mm_shapes.py) change nothing the script computes:
 
