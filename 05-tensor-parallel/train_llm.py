@@ -86,9 +86,8 @@ def main():
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
     if args.cpu_offload and device.type != "cuda":
         raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
-    # Three dimensions. tp, the inner one, groups --tp-size consecutive ranks: the GPUs of one node,
-    # whose NVLink carries the collectives TP runs inside every block. Across the groups, chapter 04's
-    # FSDP (replicate x shard: HSDP with --shard-size): each tp group is one data-parallel rank.
+    # Three dimensions. tp, the inner one, groups --tp-size consecutive ranks: a node's GPUs, whose NVLink
+    # carries the collectives TP runs in every block. Around it, chapter 04's (replicate, shard) FSDP.
     if world_size % args.tp_size:
         raise SystemExit(f"error: --tp-size {args.tp_size} must divide the number of ranks ({world_size})")
     if int(os.environ["LOCAL_WORLD_SIZE"]) % args.tp_size:
