@@ -106,6 +106,60 @@ def test_planner_counts_the_activations_hf_llama_saves(dtype, compiled):
     assert sum(saved.values()) == pytest.approx(predicted, rel=0.01)
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_planner_counts_what_each_checkpointing_mode_keeps(mode):
+    """After forward, the bytes of every tensor still alive that forward made (what autograd, the
+    checkpoints and selective checkpointing's cache keep), with chapter 01's --activation-checkpointing
+    options, eager fp32 at Llama-3.2-1B's width with 2 blocks: the planner's activations but the one
+    block that backward recomputes at a time (its size is a block's without checkpointing, as the test
+    above measures). Without checkpointing, this count equals the test above's (0.1% apart)."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from common import checkpointing_options
+    from tools.plan import activation_bytes
+
+    class LiveBytes(TorchDispatchMode):
+        def __init__(self, existing):
+            super().__init__()
+            self.live, self.alive, self.existing = 0, {}, existing
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor):
+                    storage = tensor.untyped_storage()
+                    pointer = storage.data_ptr()
+                    if pointer not in self.alive and pointer not in self.existing:  # not a view of a weight
+                        self.alive[pointer] = storage.nbytes()
+                        self.live += storage.nbytes()
+                        weakref.finalize(storage, self.free, pointer)
+            return out
+
+        def free(self, pointer):
+            self.live -= self.alive.pop(pointer, 0)
+
+    config = LlamaConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=512, max_position_embeddings=256,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_options(mode))
+    input_ids = torch.randint(0, 512, (2, 128))
+    existing = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), input_ids]}
+    with LiveBytes(existing) as counted:
+        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    widths = {"hidden": 2048, "kv": 512, "mlp": 8192, "vocab": 512, "layers": 2}
+    predicted = activation_bytes(widths, 2 * 128, 1, mode, 4, compiled=False)
+    # Less the block being recomputed: a block's bytes without checkpointing.
+    blocks = {layers: activation_bytes({**widths, "layers": layers}, 256, 1, False, 4, False) for layers in [1, 2]}
+    predicted -= blocks[2] - blocks[1]
+    assert counted.live == pytest.approx(predicted, rel=0.01), loss  # alive: the graph holds what is counted
+
+
 def test_planner_counts_what_the_loss_backward_holds():
     """At the start of the loss's backward, where a step peaks, the bytes of all tensors alive beside the
     log-softmax the planner counts as kept: its gradient and the logits', fp32, 8 bytes per logit. Counted

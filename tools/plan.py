@@ -45,7 +45,8 @@ it, as backward frees the activations: a margin of up to 4 bytes per parameter p
 
 Checked by the test suite against what chapters 02, 04 and 05 measure on the CPU (each rank's
 weights, gradients and AdamW state), against the tensors HF's Llama saves for backward (eager and
-compiled, fp32 and bf16) and the bytes the loss's backward holds, and against torchtitan's published
+compiled, fp32 and bf16; with full and with selective checkpointing, what stays alive after forward)
+and the bytes the loss's backward holds, and against torchtitan's published
 Llama 3.1 8B peaks on 8 and 128 GPUs (the README's "How to choose").
 """
 
