@@ -18,11 +18,11 @@ chapters' own output goes to stderr, so that stdout is the table.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from tools.diff import chapter
@@ -74,7 +75,15 @@ def benchmark(argv: list[str]) -> None:
         while proc.poll() is None and args.steps not in logged_steps(save_dir):
             time.sleep(1)
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            # torchrun starts each worker in a session of its own: killing torchrun's would leave them
+            # running, writing into the folder about to be removed (and, on GPUs, holding them).
+            with contextlib.suppress(psutil.NoSuchProcess):  # unless it has just ended by itself
+                launched = psutil.Process(proc.pid)
+                processes = [launched, *launched.children(recursive=True)]
+                for process in processes:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        process.kill()
+                psutil.wait_procs(processes, timeout=60)
             proc.wait()
         elif proc.returncode != 0:
             raise SystemExit(f"error: {script} exited with {proc.returncode}")
