@@ -33,6 +33,7 @@ from torchao.float8 import _auto_filter_for_recipe  # torchao's public filter, d
 from torchao.float8.config import ScalingGranularity
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 class Float8Stats:
     """`start()` before a step's forward, and `stop()` after its backward, return the statistics of that
@@ -322,5 +323,19 @@ def convert_to_te(blocks, te=None):
 
 def weights_only(model_state: dict) -> dict:
     """The model's state without TE's extra state (FP8 scaling metadata, empty with current scaling):
-    a run resumes a checkpoint of either backend, and the export holds HF's weights alone."""
-    return {name: value for name, value in model_state.items() if not name.endswith("_extra_state")}
+    a run resumes a checkpoint of either backend, and the export holds HF's weights alone.
+
+    torchao's weights for FP8 all-gathers are wrappers (WeightWithDynamicFloat8CastTensor) around the
+    fp32 weights; they are given as the weights they wrap. DCP's asynchronous save (--async-checkpoints)
+    copies a tensor to CPU memory through its storage, which a wrapper has none of: it would save
+    whatever the new memory held, silently (TransformerEngine#2721 is the same bug for TE's FP8 tensors)."""
+    state = {}
+    for name, value in model_state.items():
+        if isinstance(value, DTensor) and isinstance(value.to_local(), WeightWithDynamicFloat8CastTensor):
+            spec = {"shape": value.shape, "stride": value.stride(), "run_check": False}
+            value = DTensor.from_local(value.to_local()._tensor, value.device_mesh, value.placements, **spec)
+        elif isinstance(value, WeightWithDynamicFloat8CastTensor):
+            value = value._tensor
+        if not name.endswith("_extra_state"):
+            state[name] = value
+    return state

@@ -108,9 +108,10 @@ def assert_other_rows(stats, other):
 @pytest.fixture(scope="module")
 def fp8_run(tmp_path_factory, hf_home):
     """FSDP on 2 ranks, tensorwise scales (weights all-gathered in FP8), statistics every 4 steps,
-    combined over all ranks (--fp8-stats-group world, the default)."""
+    combined over all ranks (--fp8-stats-group world, the default). Its checkpoints are asynchronous:
+    DCP's staging copies torchao's float8 weights (a wrapper subclass) as zeros unless unwrapped."""
     save_dir = tmp_path_factory.mktemp("fp8")
-    args = [*ARGS, "--fp8-recipe", "tensorwise", *STATS_ARGS, "--save-dir", str(save_dir)]
+    args = [*ARGS, "--fp8-recipe", "tensorwise", *STATS_ARGS, "--async-checkpoints", "--save-dir", str(save_dir)]
     run_chapter(CHAPTER, *args, nproc=2, hf_home=hf_home, env=OFFLINE_WANDB, faults=SCALED_MM)
     return save_dir / CHAPTER
 
@@ -202,7 +203,8 @@ def test_statistics_count_what_underflows():
 def test_exact_resume(tmp_path, hf_home, fp8_run):
     """FP8's scales are computed from the weights and activations of each step: nothing to save, and
     a run resumed from step 6 retraces the uninterrupted one exactly, its statistics included. (Its
-    first step's weight scales are precomputed after loading, as after every optimizer step.)"""
+    first step's weight scales are precomputed after loading, as after every optimizer step.) The
+    checkpoint was saved asynchronously (fp8_run)."""
     rewind(fp8_run, tmp_path / CHAPTER, step=6)
     args = [*ARGS, "--fp8-recipe", "tensorwise", *STATS_ARGS, "--save-dir", str(tmp_path)]
     resumed = run_chapter(CHAPTER, *args, nproc=2, hf_home=hf_home, faults=SCALED_MM)
