@@ -106,26 +106,19 @@ def test_planner_counts_the_activations_hf_llama_saves(dtype, compiled):
     assert sum(saved.values()) == pytest.approx(predicted, rel=0.01)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_planner_counts_what_each_checkpointing_mode_keeps(mode):
-    """After forward, the bytes of every tensor still alive that forward made (what autograd, the
-    checkpoints and selective checkpointing's cache keep), with chapter 01's --activation-checkpointing
-    options, eager fp32 at Llama-3.2-1B's width with 2 blocks: the planner's activations but the one
-    block that backward recomputes at a time (its size is a block's without checkpointing, as the test
-    above measures). Without checkpointing, this count equals the test above's (0.1% apart)."""
+def live_bytes(existing=frozenset()):
+    """A dispatch mode that follows the storage of every tensor the ops under it make: `live`, the bytes
+    of those still alive, and `peak`, the most at once. Storages in `existing` (a model's weights, whose
+    views ops return) are not counted."""
     import weakref
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from common import checkpointing_options
-    from tools.plan import activation_bytes
 
     class LiveBytes(TorchDispatchMode):
-        def __init__(self, existing):
+        def __init__(self):
             super().__init__()
-            self.live, self.alive, self.existing = 0, {}, existing
+            self.live, self.peak, self.alive = 0, 0, {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -133,14 +126,31 @@ def test_planner_counts_what_each_checkpointing_mode_keeps(mode):
                 if isinstance(tensor, torch.Tensor):
                     storage = tensor.untyped_storage()
                     pointer = storage.data_ptr()
-                    if pointer not in self.alive and pointer not in self.existing:  # not a view of a weight
+                    if pointer not in self.alive and pointer not in existing:
                         self.alive[pointer] = storage.nbytes()
                         self.live += storage.nbytes()
+                        self.peak = max(self.peak, self.live)
                         weakref.finalize(storage, self.free, pointer)
             return out
 
         def free(self, pointer):
             self.live -= self.alive.pop(pointer, 0)
+
+    return LiveBytes()
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_planner_counts_what_each_checkpointing_mode_keeps(mode):
+    """After forward, the bytes of every tensor still alive that forward made (what autograd, the
+    checkpoints and selective checkpointing's cache keep), with chapter 01's --activation-checkpointing
+    options, eager fp32 at Llama-3.2-1B's width with 2 blocks: the planner's activations but the one
+    block that backward recomputes at a time (its size is a block's without checkpointing, as the test
+    above measures). Without checkpointing, this count equals the test above's (0.1% apart)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from common import checkpointing_options
+    from tools.plan import activation_bytes
 
     config = LlamaConfig(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
@@ -150,7 +160,7 @@ def test_planner_counts_what_each_checkpointing_mode_keeps(mode):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_options(mode))
     input_ids = torch.randint(0, 512, (2, 128))
     existing = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), input_ids]}
-    with LiveBytes(existing) as counted:
+    with live_bytes(existing) as counted:
         loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
     widths = {"hidden": 2048, "kv": 512, "mlp": 8192, "vocab": 512, "layers": 2}
     predicted = activation_bytes(widths, 2 * 128, 1, mode, 4, compiled=False)
@@ -165,39 +175,16 @@ def test_planner_counts_what_the_loss_backward_holds():
     log-softmax the planner counts as kept: its gradient and the logits', fp32, 8 bytes per logit. Counted
     by following every tensor the loss's forward and backward make, as the chapters compute it (bf16
     logits dropped once the loss has them, HF's loss)."""
-    import weakref
-
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     from tools.plan import loss_backward_bytes
-
-    class LiveBytes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.live, self.peak, self.alive = 0, 0, set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for tensor in out if isinstance(out, (tuple, list)) else [out]:
-                storage = tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else None
-                if storage is not None and storage.data_ptr() not in self.alive:
-                    self.alive.add(storage.data_ptr())
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self.free, storage.data_ptr(), storage.nbytes())
-            return out
-
-        def free(self, pointer, nbytes):
-            self.alive.discard(pointer)
-            self.live -= nbytes
 
     tokens, vocab, hidden = 256, 32000, 64
     h = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, vocab, (1, tokens))
-    with LiveBytes() as counted:
+    with live_bytes() as counted:
         loss = ForCausalLMLoss(h @ w.t(), labels, vocab)
         loss.backward()
     log_softmax = tokens * vocab * 4
