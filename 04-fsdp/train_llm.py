@@ -180,7 +180,7 @@ def main():
     timers = common.PhaseTimers(device)
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
-    async_saves = common.AsyncCheckpoints(args.keep_checkpoints, args.dist_timeout) if args.async_checkpoints else None
+    async_saves = common.AsyncCheckpoints(args.dist_timeout) if args.async_checkpoints else None
     postfix = {}  # what the progress bar shows after the counts
     running_loss = state["running_loss"]
     steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
@@ -459,7 +459,7 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
         model_state, optimizer_state = get_state_dict(model, optimizer)
         shards = {"model": model_state, "optimizer": optimizer_state}
         if async_saves:
-            async_saves.start(shards, tmp_dir, final_dir, state["global_step"])
+            async_saves.start(shards, tmp_dir, final_dir, state["global_step"], keep)
         else:
             dcp.save(shards, checkpoint_id=tmp_dir)
         if rank == 0:

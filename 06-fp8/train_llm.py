@@ -220,7 +220,7 @@ def main():
     timers = common.PhaseTimers(device)
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
-    async_saves = common.AsyncCheckpoints(args.keep_checkpoints, args.dist_timeout) if args.async_checkpoints else None
+    async_saves = common.AsyncCheckpoints(args.dist_timeout) if args.async_checkpoints else None
     fp8_stats = fp8.Float8Stats(model, None, device, reduce=args.fp8_stats_group == "world", every=args.fp8_stats_every)
     postfix = {}  # what the progress bar shows after the counts
     running_loss = state["running_loss"]
@@ -614,7 +614,7 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
         model_state, optimizer_state = get_state_dict(model, optimizer)
         shards = {"model": fp8.weights_only(model_state), "optimizer": optimizer_state}
         if async_saves:
-            async_saves.start(shards, tmp_dir, final_dir, state["global_step"])
+            async_saves.start(shards, tmp_dir, final_dir, state["global_step"], keep)
         else:
             dcp.save(shards, checkpoint_id=tmp_dir)
         if rank == 0:

@@ -65,18 +65,17 @@ class AsyncCheckpoints:
     every rank's result, so every rank's shards are on disk by then. A kill during the write leaves
     the checkpoint before it the last one."""
 
-    def __init__(self, keep: int, timeout_minutes: float):
+    def __init__(self, timeout_minutes: float):
         # The write's collectives run in a thread, beside training's, so they need a group of their own;
         # a CPU one (gloo), since they coordinate shards already copied to CPU memory.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
-        self.keep = keep
         self.pending = None
 
-    def start(self, shards: dict, tmp_dir: Path, final_dir: Path, step: int) -> None:
+    def start(self, shards: dict, tmp_dir: Path, final_dir: Path, step: int, keep: int) -> None:
         """Returns once the shards are copied to CPU memory (training may change them from then on)."""
         self.wait()  # for the save before, if still in flight
         future = dcp.async_save(shards, checkpoint_id=tmp_dir, process_group=self.group)
-        self.pending = (future, tmp_dir, final_dir, step, time.perf_counter())
+        self.pending = (future, tmp_dir, final_dir, step, keep, time.perf_counter())
 
     def poll(self) -> None:
         """Publishes the save in flight if this rank's write has finished; never waits."""
@@ -87,12 +86,12 @@ class AsyncCheckpoints:
         """Waits for the save in flight, if any, then rank 0 publishes it."""
         if self.pending is None:
             return
-        future, tmp_dir, final_dir, step, start = self.pending
+        future, tmp_dir, final_dir, step, keep, start = self.pending
         self.pending = None
         with saving(tmp_dir, step):
             future.result()  # raises on every rank if any rank's write failed
         if dist.get_rank() == 0:
-            publish_checkpoint(tmp_dir, final_dir, self.keep)
+            publish_checkpoint(tmp_dir, final_dir, keep)
             logger.info(f"Saved {final_dir}, written in {time.perf_counter() - start:.1f} s beside training")
 
 
