@@ -18,6 +18,29 @@ def end_the_processes_of_each_test(monkeypatch):
         print(f"killed {len(left)} processes the test left running:", *left, sep="\n  ")
 
 
+@pytest.fixture(autouse=True)
+def torch_configs_restored():
+    """A test that changes torch's compile settings (inductor's, dynamo's) must restore them: every later
+    test of its worker would compile with them, and which tests those are depends on the file order.
+    A change left behind fails the test that left it, and is undone."""
+    import torch._dynamo.config
+    import torch._inductor.config
+
+    def values(config):  # a setting deleted (as unittest.mock does) reads as missing
+        return {name: getattr(config, name, "<deleted>") for name in config.get_config_copy()}
+
+    configs = [torch._inductor.config, torch._dynamo.config]
+    before = [values(config) for config in configs]
+    yield
+    left = []
+    for config, old in zip(configs, before):
+        for name, value in values(config).items():
+            if value != old[name]:
+                left.append(f"{config.__name__}.{name}: {old[name]!r} -> {value!r}")
+                setattr(config, name, old[name])
+    assert not left, f"the test left torch settings changed (use config.patch): {'; '.join(left)}"
+
+
 @pytest.fixture(scope="session")
 def hf_home(tmp_path_factory):
     """One Hugging Face cache for the session: the tiny dataset is tokenized once, not once per test."""

@@ -404,7 +404,7 @@ def test_emulated_matmuls_refuse_the_shapes_the_gpu_refuses():
     )
 
 
-def test_what_compiling_fp8_needs(monkeypatch):
+def test_what_compiling_fp8_needs():
     """Emulated FP8 on a GPU without FP8 (an A100) runs eagerly: inductor's FP8 casts would not run
     there; asked to compile, it refuses. Rowwise scales compile with eager's rounding (pytorch#150859)."""
     from torch._inductor import config as inductor_config
@@ -417,11 +417,12 @@ def test_what_compiling_fp8_needs(monkeypatch):
     with pytest.raises(SystemExit, match="--fp8-emulate on this GPU cannot be compiled .* pass --no-compile"):
         torchao_settings(parse(["--fp8-emulate", "--compile"]), a100, use_compile=True)
     assert torchao_settings(parse(["--fp8-emulate"]), torch.device("cpu"), use_compile=True) is True
-    monkeypatch.setattr(inductor_config, "emulate_precision_casts", False)
-    torchao_settings(parse(["--fp8-emulate", "--fp8-recipe", "tensorwise"]), torch.device("cpu"), use_compile=True)
-    assert inductor_config.emulate_precision_casts is False
-    torchao_settings(parse(["--fp8-emulate", "--fp8-recipe", "rowwise"]), torch.device("cpu"), use_compile=True)
-    assert inductor_config.emulate_precision_casts is True
+    # The setting is the process's, as in a chapter's run; patched here so that it is restored after.
+    with inductor_config.patch(emulate_precision_casts=False):
+        torchao_settings(parse(["--fp8-emulate", "--fp8-recipe", "tensorwise"]), torch.device("cpu"), use_compile=True)
+        assert inductor_config.emulate_precision_casts is False
+        torchao_settings(parse(["--fp8-emulate", "--fp8-recipe", "rowwise"]), torch.device("cpu"), use_compile=True)
+        assert inductor_config.emulate_precision_casts is True
 
 
 @pytest.mark.parametrize(
