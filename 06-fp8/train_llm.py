@@ -333,10 +333,10 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
     and gradient norm, on the device: reading them would wait for the GPU."""
     step_loss = 0.0
     for micro_step in range(args.grad_accum_steps):
-        # FSDP reduce-scatters the gradients in every backward, unless told not to: the micro-steps
-        # before the last only add to the local gradients, and the last reduces their sum once.
-        # (Till then, each rank holds a full, unsharded gradient: 4 bytes per parameter.)
-        model.set_requires_gradient_sync(micro_step == args.grad_accum_steps - 1)
+        # FSDP reduce-scatters every micro-step's gradients and adds them to the sharded ones: DDP's way
+        # (no sync till the last) would keep a full fp32 gradient on every rank, 30 GiB at 8B. With HSDP,
+        # the all-reduce between replicas waits for the last micro-step.
+        model.set_requires_all_reduce(micro_step == args.grad_accum_steps - 1)
         with timers("data"):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
 

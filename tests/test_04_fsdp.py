@@ -50,16 +50,24 @@ def test_matches_ddp(ddp_run, fsdp_run):
     )
 
 
-def test_gradient_accumulation_reduce_scatters_once_per_step(tmp_path, hf_home, fsdp_run):
-    """2 ranks x 2 micro-batches of 2 rows equal 2 ranks x 4 rows. set_requires_gradient_sync keeps
-    FSDP from reduce-scattering after the first micro-batch: once per step for each of the 7 units
-    it shards (the embeddings, 4 blocks, the output head and the root)."""
+@pytest.mark.parametrize(
+    "layout, reductions",
+    [([], {"reduce_scatters": 2 * 7, "replica_all_reduces": 0}), (["--shard-size", "1"], {"reduce_scatters": 0, "replica_all_reduces": 7})],
+    ids=["fsdp", "hsdp"],
+)
+def test_gradient_accumulation_reduce_scatters_every_micro_step(tmp_path, hf_home, fsdp_run, layout, reductions):
+    """2 ranks x 2 micro-batches of 2 rows equal 2 ranks x 4 rows. Each micro-step reduce-scatters
+    into the sharded gradients (7 units: the embeddings, 4 blocks, the output head and the root), so
+    no rank ever holds a full gradient (tests/test_real_sizes.py measures that at 8B). With HSDP (here
+    2 replicas of a whole model each: nothing to reduce-scatter), the all-reduce between replicas is
+    deferred to the last micro-step: once per unit and step, and the sum it reduces is every
+    micro-batch's."""
     probe = tmp_path / "reductions.jsonl"
-    args = [*ARGS, "--batch-size", "2", "--grad-accum-steps", "2", "--save-dir", str(tmp_path)]
+    args = [*ARGS, *layout, "--batch-size", "2", "--grad-accum-steps", "2", "--save-dir", str(tmp_path)]
     run_chapter(CHAPTER, *args, nproc=2, hf_home=hf_home, faults={"PROBE_GRADIENT_REDUCTIONS": probe})
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(fsdp_run / CHAPTER))) <= 1e-5
-    reduce_scatters = [json.loads(line)["reduce_scatters"] for line in probe.read_text().splitlines()]
-    assert reduce_scatters == [7] * STEPS, reduce_scatters
+    counts = [json.loads(line) for line in probe.read_text().splitlines()]
+    assert [{key: step[key] for key in reductions} for step in counts] == [reductions] * STEPS, counts
 
 
 def test_compile_traces_every_block_with_no_recompiles(tmp_path, hf_home, fsdp_run):

@@ -92,7 +92,7 @@ def gradient_reductions(path: str) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    reductions = {"ddp_buckets": [], "reduce_scatters": 0}
+    reductions = {"ddp_buckets": [], "reduce_scatters": 0, "replica_all_reduces": 0}
 
     def counting_allreduce_hook(state, bucket):
         reductions["ddp_buckets"].append(bucket.index())
@@ -112,10 +112,19 @@ def gradient_reductions(path: str) -> None:
         if hasattr(dist, name):
             setattr(dist, name, counting(getattr(dist, name)))
 
+    all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*args, group=None, **kwargs):
+        # HSDP's, between replicas, name their group; the chapters' own (the loss, a stop) use the default.
+        reductions["replica_all_reduces"] += group is not None
+        return all_reduce(*args, group=group, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+
     def before_step(optimizer, args, kwargs):
         with open(path, "a") as f:
             f.write(json.dumps(reductions) + "\n")
-        reductions.update(ddp_buckets=[], reduce_scatters=0)
+        reductions.update(ddp_buckets=[], reduce_scatters=0, replica_all_reduces=0)
 
     register_optimizer_step_pre_hook(before_step)
 
