@@ -106,12 +106,15 @@ _KEEP = {
 
 
 def _selective_context():
-    matmuls = {False: 0, True: 0}  # counted apart in forward and in recomputation, which must agree
+    # PyTorch asks the policy in forward only (in torch 2.13, ctx.is_recompute is always False):
+    # recomputation follows forward's answers, so one count of the matmuls serves both.
+    matmuls = 0
 
     def policy(ctx, op, *args, **kwargs):
+        nonlocal matmuls
         if op == torch.ops.aten.mm.default:
-            matmuls[ctx.is_recompute] += 1
-            if matmuls[ctx.is_recompute] % 2 == 0:
+            matmuls += 1
+            if matmuls % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
 
