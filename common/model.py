@@ -85,28 +85,36 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-# What selective activation checkpointing keeps of a block (torchtitan's policy): the outputs of the
-# ops whose recomputation costs most, attention, FP8 matmuls, TP's reduce-scatters and every other
-# matmul (q, v, gate and down of a Llama block; k, o and up are recomputed). The rest (norms, the MLP's
-# activation, rotary embeddings, residual adds) is cheap to recompute.
+# What selective activation checkpointing keeps of a block (torchtitan's policy, its save list in
+# torchtitan/distributed/activation_checkpoint.py): the outputs of the ops whose recomputation costs
+# most, attention, TP's reduce-scatters and every other matmul (q, v, gate and down of a Llama block;
+# k, o and up are recomputed), and the amaxes that scale FP8's casts (torch.max, with rowwise scales
+# torch.amax): one number per tensor (or row) whose reduction reads the whole tensor again. torchao's FP8
+# layers reach the policy as one aten.mm each, on its float8 tensors, never as the _scaled_mm they run:
+# counted as any matmul, they alternate as in high precision. The rest (norms, the MLP's activation,
+# rotary embeddings, residual adds, FP8's elementwise casts) is cheap to recompute.
 _KEEP = {
     torch.ops.aten.mm.default,
-    torch.ops.aten._scaled_mm.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten.max.default,
+    torch.ops.aten.amax.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
 
 
 def _selective_context():
-    matmuls = {False: 0, True: 0}  # counted apart in forward and in recomputation, which must agree
+    # PyTorch asks the policy in forward only (in torch 2.13, ctx.is_recompute is always False):
+    # recomputation follows forward's answers, so one count of the matmuls serves both.
+    matmuls = 0
 
     def policy(ctx, op, *args, **kwargs):
+        nonlocal matmuls
         if op == torch.ops.aten.mm.default:
-            matmuls[ctx.is_recompute] += 1
-            if matmuls[ctx.is_recompute] % 2 == 0:
+            matmuls += 1
+            if matmuls % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
 

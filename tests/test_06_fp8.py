@@ -461,6 +461,55 @@ def test_layers_go_to_fp8_by_the_slice_each_gpu_multiplies(recipe, tp, in_fp8):
     assert summary.endswith("the output layer: lm_head")
 
 
+@pytest.mark.parametrize("recipe, amax", [("tensorwise", "max"), ("rowwise", "amax")])
+def test_selective_checkpointing_keeps_the_fp8_scales_amaxes_and_every_other_matmul(recipe, amax, monkeypatch):
+    """What --activation-checkpointing selective's policy decides for one FP8 block of the tiny default
+    (backward replays forward's decisions): torchao's layers reach the policy as one aten.mm each, on its
+    float8 tensors, so every other matmul's output is kept as in high precision (q, v, gate, down), and
+    so are the amaxes that scale each layer's casts of its input and weight (torch.max, rowwise
+    torch.amax): recomputing k, o and up recasts with them instead of reducing again. Nothing else but
+    attention is kept."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import common.model
+    from common import DEFAULT_MODEL, checkpointing_options, transformer_blocks
+
+    seen = []  # (op, the shape of a matmul's second operand, whether its output is kept)
+    create = common.model.create_selective_checkpoint_contexts
+
+    def recording(policy):
+        def record(ctx, op, *args, **kwargs):
+            decision = policy(ctx, op, *args, **kwargs)
+            shape = tuple(args[1].shape) if op == torch.ops.aten.mm.default else None
+            seen.append((op, shape, decision == CheckpointPolicy.MUST_SAVE))
+            return decision
+
+        return create(record)
+
+    monkeypatch.setattr(common.model, "create_selective_checkpoint_contexts", recording)
+    config = AutoConfig.from_pretrained(DEFAULT_MODEL)  # 128 wide, k and v 64, MLP 384: FP8 multiplies them
+    config.num_hidden_layers = 1
+    model = AutoModelForCausalLM.from_config(config)
+    chapter = load_chapter()
+    args = chapter.get_parser().parse_args(["--fp8-emulate", "--fp8-recipe", recipe, "--fp8-layers", "all"])
+    chapter.apply_float8(transformer_blocks(model), args, fp8_all_gather=recipe == "tensorwise")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_options("selective"))
+    input_ids = torch.randint(0, config.vocab_size, (1, 32))
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+
+    matmuls = [(shape, kept) for op, shape, kept in seen if op == torch.ops.aten.mm.default]
+    q, k, v, o, gate, up, down = (128, 128), (128, 64), (128, 64), (128, 128), (128, 384), (128, 384), (384, 128)
+    assert matmuls == [(q, True), (k, False), (v, True), (o, False), (gate, True), (up, False), (down, True)]
+    amaxes = [kept for op, _, kept in seen if op == getattr(torch.ops.aten, amax).default]
+    assert amaxes == [True] * 14  # each of the 7 layers' input and weight
+    assert {op for op, _, kept in seen if kept} == {
+        torch.ops.aten.mm.default,
+        getattr(torch.ops.aten, amax).default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+
+
 def test_a_model_with_no_layer_in_fp8_is_refused(tmp_path, hf_home):
     """The tiny default's layers (128 wide) are far below where FP8 is faster: asked for those only
     (--fp8-layers fast, the default on FP8 hardware), the run would be FP8 in name only."""
