@@ -48,6 +48,12 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
+from transformers import AutoModelForCausalLM
+
+import common
+from common import fp8, tp
+
+# After common, which quiets torchao's import-time lines about kernels that no chapter uses.
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_tensor_parallel import (
@@ -55,10 +61,6 @@ from torchao.float8.float8_tensor_parallel import (
     Float8RowwiseParallel,
     PrepareFloat8ModuleInput,
 )
-from transformers import AutoModelForCausalLM
-
-import common
-from common import fp8, tp
 
 logger = logging.getLogger(__name__)
 

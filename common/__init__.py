@@ -1,5 +1,14 @@
 """What every chapter shares unchanged: the embedded default, flags, data, checkpoints, timers, memory, metrics."""
 
+import logging
+
+# Where torchao is installed, transformers imports it as it builds a model, and torchao says that its
+# compiled kernels for other formats (MX, CUTLASS: built for another torch) do not load, and torch that
+# torchao registers an enum the old way. Neither is used by any chapter (chapter 06's float8 runs on
+# torch's own FP8 matmul): those lines alone are dropped, so that they do not read as errors.
+logging.getLogger("torchao").addFilter(lambda record: not record.getMessage().startswith("Failed to load"))
+logging.getLogger("torch.utils._pytree").addFilter(lambda record: "is an Enum subclass" not in record.getMessage())
+
 from common.args import base_parser, non_negative_int, positive_float, positive_int
 from common.checkpoints import (
     AsyncCheckpoints,

@@ -133,7 +133,8 @@ class StopSignal:
         the answer is read one step later, when the GPU has long computed it: waiting for it then
         never idles the GPU, as reading it at once (a host-device sync every step) would.
         """
-        flag = torch.tensor(float(self.name is not None), device=device)
+        # Filled on the device: torch.tensor(value, device=...) would copy from the host, and wait for it.
+        flag = torch.full((), float(self.name is not None), device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if device.type != "cuda":
             return self.name or ("a signal to another rank" if flag.item() else None)
