@@ -243,25 +243,35 @@ def test_planner_matches_torchtitans_published_peaks_with_selective_checkpointin
         assert 0.9 * reserved < peak < reserved, (gpus, peak)
 
 
-def test_planner_hsdp_keeps_all_but_one_all_reduce_inside_the_node(capsys):
-    """Llama-3.1-70B on 8 nodes of 8: FSDP over all 64 GPUs sends its all-gathers and reduce-scatters
-    across the network; HSDP with a group per node sends only each rank's 1/8 of the fp32 gradients,
-    all-reduced with the other 7 nodes, and holds 8x the training state."""
+@pytest.mark.parametrize("nodes", [2, 8])
+def test_planner_counts_the_bytes_through_each_nic(nodes, capsys):
+    """Llama-3.1-70B on nodes of 8 GPUs, each GPU with its NIC. FSDP over every GPU is one ring that
+    enters and leaves each node once per channel, a NIC per channel: a node's 8 NICs carry what one GPU
+    sends, 1/8 each. HSDP with a group per node all-reduces each rank's 1/8 of the fp32 gradients with
+    one GPU in each other node, through its own NIC, and holds 8x the training state: about as many
+    bytes per NIC as FSDP, not 8x fewer. FSDP x TP 8's dp group has one GPU per node: all it sends
+    crosses, through that GPU's NIC."""
     from tools.plan import GIB, Layout, count, main, plan
 
     m = count(str(REPO / "tools" / "model_shapes" / "llama-3.1-70b"))
-    p = m["params"]
-    fsdp = plan(m, Layout("FSDP", 64), 1, 4096, 2, False)
-    hsdp = plan(m, Layout("HSDP", 64, shard=8), 1, 4096, 2, False)
-    assert hsdp["weights"] == 4 * p / 8 == 8 * fsdp["weights"]
-    assert fsdp["sent_replicate"] == 0
-    assert hsdp["sent_replicate"] == pytest.approx(2 * 7 / 8 * 4 * p / 8)
-    # Inside each group the all-gathers and reduce-scatters shrink only from 63/64 to 7/8 of the buffers.
-    assert hsdp["sent_dp"] - hsdp["sent_replicate"] == pytest.approx(fsdp["sent_dp"] * (7 / 8) / (63 / 64))
-    main([str(REPO / "tools" / "model_shapes" / "llama-3.1-70b"), "--nodes", "8", "--shard-size", "8"])
+    p, gpus = m["params"], 8 * nodes
+    fsdp = plan(m, Layout("FSDP", gpus), 1, 4096, 2, False)
+    hsdp = plan(m, Layout("HSDP", gpus, shard=8), 1, 4096, 2, False)
+    tp = plan(m, Layout("FSDP x TP", gpus, tp=8), 8, 4096, 2, False)
+    assert hsdp["weights"] == 4 * p / 8 == nodes * fsdp["weights"]
+    # By hand: FSDP gathers the bf16 weights twice (the tied-free 70B: all but the head and the root)
+    # and reduce-scatters the fp32 gradients, (n - 1) / n of each buffer, over 8 NICs.
+    twice = m["layers"] * m["block_params"] + m["embedding"]
+    fsdp_bytes = (gpus - 1) / gpus * ((2 * twice + (p - twice)) * 2 + 4 * p)
+    assert fsdp["sent_dp"] == pytest.approx(fsdp_bytes) and fsdp["network_per_nic"] == pytest.approx(fsdp_bytes / 8)
+    assert fsdp["nvlink_dp"] == 0
+    assert hsdp["network_per_nic"] == pytest.approx(2 * (nodes - 1) / nodes * 4 * p / 8)
+    assert hsdp["nvlink_dp"] == pytest.approx(fsdp_bytes / 8 * (7 / 8) / ((gpus - 1) / gpus) * 8)
+    assert tp["network_per_nic"] == pytest.approx(tp["sent_dp"]) == pytest.approx((nodes - 1) / nodes * (fsdp_bytes * gpus / (gpus - 1)) / 8)
+    main([str(REPO / "tools" / "model_shapes" / "llama-3.1-70b"), "--nodes", str(nodes), "--shard-size", "8"])
     out = capsys.readouterr().out
     assert "Per GPU, HSDP over 8, tp 1" in out
-    assert f"{hsdp['sent_replicate'] / GIB:.2f} GiB across nodes" in out
+    assert f"through each NIC across nodes {hsdp['network_per_nic'] / GIB:.2f} GiB" in out
 
 
 def test_plot_draws_the_runs_and_refuses_a_folder_without_metrics(tmp_path, chapter_01_reference, ddp_reference):

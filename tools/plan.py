@@ -37,8 +37,12 @@ that does. The formulas are those the chapter READMEs teach; this is the one pla
   are TP's all-gathers of the inputs that feed only such layers, and of the gradients of their
   outputs. HSDP (--shard-size s, chapter 04): the all-gathers and reduce-scatters run over s ranks,
   each holding 1/s of the state, and each rank's fp32 gradient shard is all-reduced (2x) with its
-  peers in the other groups: with a group per node, only that crosses the network. Time at best: bytes
-  over the link's bandwidth, NVLink inside a node, the network across nodes.
+  peers in the other groups: with a group per node, only that crosses the network.
+- Through each NIC (one per GPU): NCCL runs a collective as flat rings, each entering and leaving
+  every node once through a NIC of its own, so a group that spans nodes puts through each NIC what
+  one GPU sends, divided by the group's GPUs in a node (8 for FSDP over nodes of 8, 1 for HSDP's
+  replicas and for FSDP x TP 8's dp). Time at best: those bytes over the NIC's bandwidth, plus what
+  groups inside a node send over NVLink's.
 
 The gradients are counted as held at the peak, though under FSDP they are mostly allocated after
 it, as backward frees the activations: a margin of up to 4 bytes per parameter per GPU.
@@ -70,6 +74,7 @@ class Layout:
     sharded: bool = True  # FSDP; False: DDP
     checkpointing: bool | str = False  # True or "full"; "selective"
     shard: int = 0  # HSDP: the dp ranks each tensor is sharded over, replicated across groups of them (0: all)
+    gpus_per_node: int = 8  # each with a NIC of its own, as on H100 nodes
 
 
 @functools.cache  # a model's config does not change while the planner runs
@@ -162,7 +167,20 @@ def plan(
         replicate = ring(dp // shard) * 2 * 4 * p / (shard * t)
         data_parallel = shard_group + replicate
     else:
-        data_parallel = ring(dp) * 2 * 4 * p
+        shard_group, data_parallel = ring(dp) * 2 * 4 * p, ring(dp) * 2 * 4 * p
+    # Bytes through each NIC, for a group that spans nodes. NCCL runs a collective as flat rings, several
+    # at once (channels), each entering and leaving every node once, through a NIC of its own
+    # (NVIDIA/nccl#412, #1313, #471): a node's NICs carry what one GPU sends, spread over the NICs of
+    # the group's GPUs in that node. Groups are laid out as the chapters' meshes: tp ranks innermost,
+    # then the shard group, then the replicas.
+    g = layout.gpus_per_node
+    dp_per_node = max(g // t, 1)
+    across = {"shard": shard * t > g, "replicate": dp > shard and n > g}
+    network = 0.0
+    if across["shard"]:
+        network += shard_group / min(shard, dp_per_node)
+    if across["replicate"]:
+        network += replicate / max(g // (shard * t), 1)
 
     def gather_bytes(*layers):  # FP8 when every layer the activation (or gradient) feeds is in FP8
         return 1 if all(layer in fp8_layers for layer in layers) else compute_bytes
@@ -178,6 +196,8 @@ def plan(
         "total": sum(state.values()) + gathered + activations + loss_backward,
         "sent_dp": data_parallel,
         "sent_replicate": replicate,  # of sent_dp: between HSDP's groups
+        "network_per_nic": network,  # of sent_dp, what crosses nodes, per NIC
+        "nvlink_dp": (0 if across["shard"] else shard_group) + (0 if across["replicate"] else replicate),
         "sent_tp": tensor_parallel,
     }
 
@@ -226,13 +246,13 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--gpu-memory-gib", type=float, default=80)
     parser.add_argument("--nvlink-gbps", type=float, default=450, help="GB/s each GPU sends inside a node (H100)")
-    parser.add_argument("--network-gbps", type=float, default=50, help="GB/s each GPU sends across nodes (400 Gb/s)")
+    parser.add_argument("--network-gbps", type=float, default=50, help="GB/s through each GPU's NIC (400 Gb/s)")
     args = parser.parse_args(argv)
 
     m = count(args.model)
     gpus = args.nodes * args.gpus_per_node
     compute_bytes = 2 if args.dtype == "bfloat16" else 4
-    chosen = Layout("asked", gpus, args.tp_size, not args.ddp, args.activation_checkpointing, args.shard_size)
+    chosen = Layout("asked", gpus, args.tp_size, not args.ddp, args.activation_checkpointing, args.shard_size, args.gpus_per_node)
     problem = check(m, chosen, args.gpus_per_node, args.seq_length)
     if problem:
         raise SystemExit(f"error: {problem}")
@@ -249,12 +269,10 @@ def main(argv=None) -> None:
     print(f"Per GPU, {kind}, tp {args.tp_size}{ac}:")
     for key in ["weights", "gradients", "optimizer", "gathered", "activations", "loss backward", "total"]:
         print(f"  {key:<13} {result[key] / GIB:8.2f} GiB")
-    # What crosses the network: all of dp's traffic when its groups span nodes; with HSDP's groups
-    # inside a node (shard x tp GPUs at most a node), only the all-reduce between them.
-    in_node = args.shard_size and args.shard_size * args.tp_size <= args.gpus_per_node
-    network = result["sent_replicate"] if in_node else result["sent_dp"] if args.nodes > 1 else 0
-    nvlink = result["sent_dp"] - network
-    print(f"  sent per step over dp: {network / GIB:.2f} GiB across nodes, {nvlink / GIB:.2f} GiB inside a node "
+    # A ring that crosses nodes runs at the pace of its NICs; one inside a node, of NVLink.
+    network, nvlink = result["network_per_nic"], result["nvlink_dp"]
+    print(f"  sent per step over dp: {result['sent_dp'] / GIB:.2f} GiB per GPU; through each NIC across nodes "
+          f"{network / GIB:.2f} GiB, over NVLink alone {nvlink / GIB:.2f} GiB per GPU "
           f"(at best {network / 1e9 / args.network_gbps + nvlink / 1e9 / args.nvlink_gbps:.3f} s); "
           f"{result['sent_tp'] / GIB:.2f} GiB over tp (at best {result['sent_tp'] / 1e9 / args.nvlink_gbps:.3f} s)")
     # A checkpoint holds the fp32 weights and AdamW's moments once: DCP spreads the writing over all
