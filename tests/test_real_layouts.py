@@ -53,6 +53,9 @@ class Collectives(torch.utils._python_dispatch.TorchDispatchMode):
             elif name == "all_reduce":
                 tensor, kind = args[0], "all_reduce"
                 n = dist.distributed_c10d._resolve_process_group(args[2]).size()
+            elif name == "allreduce_":  # HSDP's between replicas: ([tensor], group, ...)
+                tensor, kind = args[0][0], "all_reduce"
+                n = dist.ProcessGroup.unbox(args[1]).size()
             elif name == "_allgather_base_":  # FSDP: (output, input, group)
                 tensor, kind, n = args[1], "all_gather", args[0].numel() // args[1].numel()
             elif name == "_reduce_scatter_base_":
@@ -87,17 +90,28 @@ def fake_world():
     yield init
     dist.destroy_process_group()
     torch._dynamo.reset()
+    # DTensor caches its sharding decisions by mesh, and a mesh of the next world that equals one of
+    # this world (same ranks and names) would be handed this world's, with its destroyed groups.
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
-def build(chapter, config, dp, tp):
-    """The model as the chapter builds it on rank 0 of dp x tp ranks, its local weights random."""
+def build(chapter, config, dp, tp, shard=None):
+    """The model as the chapter builds it on rank 0 of dp x tp ranks, its local weights random; with
+    `shard`, HSDP: sharded over groups of `shard` dp ranks, replicated across them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
     from transformers import AutoModelForCausalLM
 
     from common import transformer_blocks
 
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    if shard:  # the chapters' 3-D mesh
+        mesh = init_device_mesh("cpu", (dp // shard, shard, tp), mesh_dim_names=("replicate", "shard", "tp"))
+        fsdp_mesh = mesh["replicate", "shard"]
+    else:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        fsdp_mesh = mesh["dp"]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     blocks = transformer_blocks(model)
@@ -108,7 +122,7 @@ def build(chapter, config, dp, tp):
     else:
         chapter.apply_tp(model, blocks, mesh["tp"])
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    chapter.apply_fsdp(model, blocks, mesh["dp"], mp_policy, OffloadPolicy())
+    chapter.apply_fsdp(model, blocks, fsdp_mesh, mp_policy, OffloadPolicy())
     model.to_empty(device="cpu")
     with torch.no_grad():
         for param in model.parameters():
@@ -213,6 +227,33 @@ def test_a_cluster_layout_built_on_one_cpu(chapter_name, dp, tp, fake_world, tmp
     planned = plan(count(str(tmp_path)), Layout("asked", dp * tp, tp), BATCH, SEQ, compute_bytes=4, fp8=fp8)
     assert sent_dp == pytest.approx(planned["sent_dp"], rel=0.01)
     assert sent_tp == pytest.approx(planned["sent_tp"], rel=0.01)
+
+
+def test_hsdp_x_tp_layout_sends_what_the_planner_counts(fake_world, tmp_path):
+    """Chapter 05 on its 3-D mesh at a cluster's layout: 2 replicas x 2 shards x tp 8 (4 nodes of 8).
+    The blocks' all-gathers and reduce-scatters run over the 2 ranks of a shard group, one all-reduce
+    per unit over the 2 replicas, TP's collectives over 8: each as the planner counts it, within 1%."""
+    from tools.plan import Layout, count, plan
+
+    fake_world(32)
+    chapter = load("05-tensor-parallel")
+    config = config_8b_widths()
+    model, blocks = build(chapter, config, dp=4, tp=8, shard=2)
+    with Collectives() as collectives:
+        train_step(chapter, model, fp8=False)
+    kinds = {(kind, n) for kind, n, size in collectives.sent}
+    # Over tp also loss parallel's all-reduces (a few numbers per token).
+    assert kinds == {("all_gather", 2), ("reduce_scatter", 2), ("all_reduce", 2), *[(k, 8) for k in ("all_gather", "reduce_scatter", "all_reduce")]}
+    sent = collections.Counter()
+    for (kind, n, size), sent_bytes in collectives.sent.items():
+        sent["tp" if n == 8 else "replicate" if kind == "all_reduce" else "shard"] += sent_bytes
+    # One all-reduce between replicas per FSDP unit (the blocks, the embeddings, the head, the root).
+    assert collectives.calls[("all_reduce", 2, 4)] == len(blocks) + 3, collectives.calls
+    config.save_pretrained(tmp_path)
+    planned = plan(count(str(tmp_path)), Layout("asked", 32, 8, shard=2), BATCH, SEQ, compute_bytes=4, fp8=False)
+    assert sent["replicate"] == pytest.approx(planned["sent_replicate"], rel=0.01)
+    assert sent["shard"] == pytest.approx(planned["sent_dp"] - planned["sent_replicate"], rel=0.01)
+    assert sent["tp"] == pytest.approx(planned["sent_tp"], rel=0.01)
 
 
 def tracked_peak(chapter, config, mesh, argv) -> dict:
