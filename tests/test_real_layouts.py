@@ -80,21 +80,29 @@ def config_8b_widths():
     return config
 
 
+def clear_dtensor_caches():
+    """DTensor caches its sharding decisions and redistribution plans by mesh, and a mesh of one world
+    that equals one of an earlier world (same ranks and names) would be handed the earlier one's, with
+    its destroyed groups."""
+    from torch.distributed.tensor import _redistribute, debug
+
+    debug._clear_python_sharding_prop_cache()
+    debug._clear_fast_path_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+
+
 @pytest.fixture
 def fake_world():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     def init(world_size):
+        clear_dtensor_caches()
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
     yield init
     dist.destroy_process_group()
     torch._dynamo.reset()
-    # DTensor caches its sharding decisions by mesh, and a mesh of the next world that equals one of
-    # this world (same ranks and names) would be handed this world's, with its destroyed groups.
-    from torch.distributed.tensor import DTensor
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_dtensor_caches()
 
 
 def build(chapter, config, dp, tp, shard=None):
