@@ -245,7 +245,7 @@ def main():
                 steps_since_log += 1
                 guard.update(state["global_step"], loss, grad_norm)
                 if async_saves:
-                    async_saves.poll()  # published as soon as every rank has written it
+                    async_saves.poll()  # a save that failed (a full disk) stops the job at the next step
 
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.agreed(device)
@@ -296,7 +296,7 @@ def main():
 
     # --- 8. Export ---
     if async_saves:
-        async_saves.close()  # a stop, and the end, wait for the last checkpoint to be written
+        async_saves.close()  # a stop, and the end, wait for the last checkpoint to be written and published
     if args.export_hf and not stopping:
         export_hf(model, config, tokenizer, args.export_hf, export_dtype)
     if stopping:  # Slurm may have stopped wandb's service with the same signal: leave it

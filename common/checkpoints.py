@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -62,10 +63,11 @@ def publish_checkpoint(tmp_dir: Path, final_dir: Path, keep: int) -> None:
 class AsyncCheckpoints:
     """--async-checkpoints: DCP saves (dcp.async_save) made beside training, one at a time. A thread
     copies the shards to CPU memory while the next step computes (the step waits for the copy before it
-    changes them: wait_for_staging), a thread writes them, and rank 0 publishes the save once its own
-    write has finished, which DCP ends by gathering every rank's result: every rank's shards are on disk
-    by then. Until then the save is a *.tmp folder, which resume ignores and keep-last-k never counts: a
-    kill during the write leaves the checkpoint before it the last one."""
+    changes them: wait_for_staging), a thread writes them, and rank 0 publishes the save, in a thread
+    too, once its own write has finished, which DCP ends by gathering every rank's result: every rank's
+    shards are on disk by then. Until then the save is a *.tmp folder, which resume ignores and
+    keep-last-k never counts: a kill during the write leaves the checkpoint before it the last one. A
+    save's error (a full disk) reaches the training thread at the next poll() or wait()."""
 
     def __init__(self, timeout_minutes: float, device: torch.device):
         # The write's collectives run in a thread, beside training's, so they need a group of their own;
@@ -80,40 +82,49 @@ class AsyncCheckpoints:
         cuda = device.type == "cuda"
         options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_non_blocking_copy=cuda)
         self.stager = DefaultStager(options)  # use_async_staging: by default
+        # Rank 0 publishes (fsync, rename, and remove old checkpoints: hundreds of GB at 70B) in a thread
+        # too: on the training thread, every other rank would wait for it at its next collective.
+        self.publisher = ThreadPoolExecutor(max_workers=1)
         self.pending = None
 
     def start(self, shards: dict, tmp_dir: Path, final_dir: Path, step: int, keep: int) -> None:
         """Returns once the copy of the shards to CPU memory has started; wait_for_staging() waits for it."""
         self.wait()  # for the save before, if still in flight: its write reads the copy this one refills
         saved = dcp.async_save(shards, checkpoint_id=tmp_dir, process_group=self.group, async_stager=self.stager)
-        self.pending = (saved, tmp_dir, final_dir, step, keep, time.perf_counter())
+        start = time.perf_counter()
+
+        def publish():
+            saved.upload_completion.result()  # raises on every rank if any rank's write failed
+            if dist.get_rank() == 0:
+                publish_checkpoint(tmp_dir, final_dir, keep)
+                logger.info(f"Saved {final_dir}, written in {time.perf_counter() - start:.1f} s beside training")
+
+        self.pending = (saved.staging_completion, self.publisher.submit(publish), tmp_dir, step)
 
     def wait_for_staging(self) -> None:
         """Waits until the save in flight has copied the shards: before anything changes them."""
         if self.pending is not None:
-            self.pending[0].staging_completion.result()
+            self.pending[0].result()
 
     def poll(self) -> None:
-        """Publishes the save in flight if this rank's write has finished; never waits."""
-        if self.pending is not None and self.pending[0].upload_completion.done():
+        """Raises the error of a save that failed (a full disk) on the training thread; never waits."""
+        if self.pending is not None and self.pending[1].done():
             self.wait()
 
     def wait(self) -> None:
-        """Waits for the save in flight, if any, then rank 0 publishes it."""
+        """Waits for the save in flight, if any, to be written and published."""
         if self.pending is None:
             return
-        saved, tmp_dir, final_dir, step, keep, start = self.pending
+        _, published, tmp_dir, step = self.pending
         self.pending = None
         with saving(tmp_dir, step):
-            saved.upload_completion.result()  # raises on every rank if any rank's write failed
-        if dist.get_rank() == 0:
-            publish_checkpoint(tmp_dir, final_dir, keep)
-            logger.info(f"Saved {final_dir}, written in {time.perf_counter() - start:.1f} s beside training")
+            published.result()
 
     def close(self) -> None:
-        """Waits for the last save, then frees the CPU copy and its thread."""
+        """Waits for the last save, then frees the CPU copy and the threads."""
         self.wait()
         self.stager.close()
+        self.publisher.shutdown()
 
 
 @contextmanager

@@ -205,11 +205,13 @@ def test_adamw_decays_the_weight_matrices_only_and_fsdp_keeps_the_groups():
         dist.destroy_process_group()
 
 
-def test_async_checkpoints_hold_the_weights_of_their_step_and_are_copied_beside_training(tmp_path, monkeypatch):
+def test_async_checkpoints_hold_their_steps_weights_and_are_copied_and_published_beside_training(tmp_path, monkeypatch):
     """AsyncCheckpoints in one process (a gloo group of 1), as the chapters use it, with its copy to CPU
     memory slowed to 0.1 s per tensor: the step after a save waits for the copy before changing the
     weights, so every checkpoint holds the weights of its step; the copy's CPU memory is the same in
-    every save."""
+    every save; rank 0 publishes in a thread, not the training one; a full disk ends in one line."""
+    import errno
+    import threading
     import time
 
     import torch.distributed as dist
@@ -218,6 +220,7 @@ def test_async_checkpoints_hold_the_weights_of_their_step_and_are_copied_beside_
     from torch.distributed.checkpoint._state_dict_stager import StateDictStager
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    import common.checkpoints
     from common import AsyncCheckpoints, checkpoint_dir
 
     copies, copied_at = [], []
@@ -231,6 +234,14 @@ def test_async_checkpoints_hold_the_weights_of_their_step_and_are_copied_beside_
         return copy
 
     monkeypatch.setattr(StateDictStager, "_stage_untyped_storage", slow_stage)
+    publishers = []
+    publish = common.checkpoints.publish_checkpoint
+
+    def publish_in_which_thread(*args):
+        publishers.append(threading.current_thread())
+        publish(*args)
+
+    monkeypatch.setattr(common.checkpoints, "publish_checkpoint", publish_in_which_thread)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -271,5 +282,15 @@ def test_async_checkpoints_hold_the_weights_of_their_step_and_are_copied_beside_
             assert all(torch.equal(loaded["model"][name], weights[step][name]) for name in weights[step]), step
         # 8 tensors per save (2 weights, their 2 moments and step counts), copied into the same memory.
         assert len(copies) == 3 * 8 and copies[:8] == copies[8:16] == copies[16:]
+        assert len(publishers) == 3 and threading.main_thread() not in publishers
+
+        def full_disk(*args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(common.checkpoints, "publish_checkpoint", full_disk)
+        saves = AsyncCheckpoints(1, torch.device("cpu"))
+        save(4)
+        with pytest.raises(SystemExit, match="no space left .* saving step 4; the checkpoint of step 3 is intact"):
+            saves.close()
     finally:
         dist.destroy_process_group()
