@@ -222,7 +222,9 @@ def main():
     timers = common.PhaseTimers(device)
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
-    async_saves = common.AsyncCheckpoints(args.dist_timeout) if args.async_checkpoints else None
+    async_saves = common.AsyncCheckpoints(args.dist_timeout, device) if args.async_checkpoints else None
+    if async_saves:  # a step changes the weights: it first waits until the last save has copied them
+        optimizer.register_step_pre_hook(lambda *_: async_saves.wait_for_staging())
     fp8_stats = fp8.Float8Stats(model, None, device, reduce=args.fp8_stats_group == "world", every=args.fp8_stats_every)
     postfix = {}  # what the progress bar shows after the counts
     running_loss = state["running_loss"]
@@ -268,7 +270,7 @@ def main():
                 steps_since_log += 1
                 guard.update(state["global_step"], loss, grad_norm)
                 if async_saves:
-                    async_saves.poll()  # published as soon as every rank has written it
+                    async_saves.poll()  # a save that failed (a full disk) stops the job at the next step
 
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.agreed(device)
@@ -319,7 +321,7 @@ def main():
 
     # --- 8. Export ---
     if async_saves:
-        async_saves.wait()  # a stop, and the end, wait for the last checkpoint to be written
+        async_saves.close()  # a stop, and the end, wait for the last checkpoint to be written and published
     if args.export_hf and not stopping:
         export_hf(model, config, tokenizer, args.export_hf, export_dtype)
     if stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
@@ -369,7 +371,6 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm
-
 
 
 def send_full_weights(model, full_model, device):
@@ -600,7 +601,7 @@ def evaluate(model, val_data, args, device, autocast, dp_mesh) -> float:
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):
     """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position. With
-    `async_saves`, it returns once the shards are in CPU memory; async_saves publishes them once written."""
+    `async_saves`, it returns while the shards are copied to CPU memory; async_saves publishes them once written."""
     final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
     # Written under a temporary name and renamed when complete: a crash mid-save leaves no
     # checkpoint that resume would trust.

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 logger = logging.getLogger(__name__)
 
@@ -59,40 +61,72 @@ def publish_checkpoint(tmp_dir: Path, final_dir: Path, keep: int) -> None:
 
 
 class AsyncCheckpoints:
-    """--async-checkpoints: DCP saves whose shards a thread writes (dcp.async_save) while training goes
-    on, one save at a time. A save stays a *.tmp folder, which resume ignores and keep-last-k never
-    counts, until rank 0 publishes it: once its own write has finished, which DCP ends by gathering
-    every rank's result, so every rank's shards are on disk by then. A kill during the write leaves
-    the checkpoint before it the last one."""
+    """--async-checkpoints: DCP saves (dcp.async_save) made beside training, one at a time. A thread
+    copies the shards to CPU memory while the next step computes (the step waits for the copy before it
+    changes them: wait_for_staging), a thread writes them, and rank 0 publishes the save, in a thread
+    too, once its own write has finished, which DCP ends by gathering every rank's result: every rank's
+    shards are on disk by then. Until then the save is a *.tmp folder, which resume ignores and
+    keep-last-k never counts: a kill during the write leaves the checkpoint before it the last one. A
+    save's error (a full disk) reaches the training thread at the next poll() or wait()."""
 
-    def __init__(self, timeout_minutes: float):
+    def __init__(self, timeout_minutes: float, device: torch.device):
         # The write's collectives run in a thread, beside training's, so they need a group of their own;
         # a CPU one (gloo), since they coordinate shards already copied to CPU memory.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
+        # One stager for the whole run: the CPU copy of the shards (12.3 GiB per GPU at 70B) is allocated
+        # by the first save and refilled by every later one, never allocated and freed again. It copies in
+        # a thread of its own, beside the next step's forward and backward (a step pre-hook waits for it
+        # before the weights change). On GPUs: into pinned memory, with non-blocking copies on a stream of
+        # its own, the fast device-to-host path; on the CPU neither exists (DCP refuses non-blocking copies
+        # there). No shared memory: it lets DCP's process-based writer read the copy, and ours is a thread.
+        self.cuda = cuda = device.type == "cuda"
+        options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_non_blocking_copy=cuda)
+        self.stager = DefaultStager(options)  # use_async_staging: by default
+        # Rank 0 publishes (fsync, rename, and remove old checkpoints: hundreds of GB at 70B) in a thread
+        # too: on the training thread, every other rank would wait for it at its next collective.
+        self.publisher = ThreadPoolExecutor(max_workers=1)
         self.pending = None
 
     def start(self, shards: dict, tmp_dir: Path, final_dir: Path, step: int, keep: int) -> None:
-        """Returns once the shards are copied to CPU memory (training may change them from then on)."""
-        self.wait()  # for the save before, if still in flight
-        future = dcp.async_save(shards, checkpoint_id=tmp_dir, process_group=self.group)
-        self.pending = (future, tmp_dir, final_dir, step, keep, time.perf_counter())
+        """Returns once the copy of the shards to CPU memory has started; wait_for_staging() waits for it."""
+        self.wait()  # for the save before, if still in flight: its write reads the copy this one refills
+        if self.cuda:  # the stager's stream does not wait for the compute stream: the step may still be running
+            torch.cuda.current_stream().synchronize()
+        saved = dcp.async_save(shards, checkpoint_id=tmp_dir, process_group=self.group, async_stager=self.stager)
+        start = time.perf_counter()
+
+        def publish():
+            saved.upload_completion.result()  # raises on every rank if any rank's write failed
+            if dist.get_rank() == 0:
+                publish_checkpoint(tmp_dir, final_dir, keep)
+                logger.info(f"Saved {final_dir}, written in {time.perf_counter() - start:.1f} s beside training")
+
+        self.pending = (saved.staging_completion, self.publisher.submit(publish), tmp_dir, step)
+
+    def wait_for_staging(self) -> None:
+        """Waits until the save in flight has copied the shards: before anything changes them."""
+        if self.pending is not None:
+            self.pending[0].result()
 
     def poll(self) -> None:
-        """Publishes the save in flight if this rank's write has finished; never waits."""
-        if self.pending is not None and self.pending[0].done():
+        """Raises the error of a save that failed (a full disk) on the training thread; never waits."""
+        if self.pending is not None and self.pending[1].done():
             self.wait()
 
     def wait(self) -> None:
-        """Waits for the save in flight, if any, then rank 0 publishes it."""
+        """Waits for the save in flight, if any, to be written and published."""
         if self.pending is None:
             return
-        future, tmp_dir, final_dir, step, keep, start = self.pending
+        _, published, tmp_dir, step = self.pending
         self.pending = None
         with saving(tmp_dir, step):
-            future.result()  # raises on every rank if any rank's write failed
-        if dist.get_rank() == 0:
-            publish_checkpoint(tmp_dir, final_dir, keep)
-            logger.info(f"Saved {final_dir}, written in {time.perf_counter() - start:.1f} s beside training")
+            published.result()
+
+    def close(self) -> None:
+        """Waits for the last save, then frees the CPU copy and the threads."""
+        self.wait()
+        self.stager.close()
+        self.publisher.shutdown()
 
 
 @contextmanager

@@ -1,5 +1,6 @@
 import os
 import shutil
+import warnings
 
 import pytest
 from harness import PROCESS_MARK, kill_marked, new_process_mark
@@ -27,7 +28,9 @@ def torch_configs_restored():
     import torch._inductor.config
 
     def values(config):  # a setting deleted (as unittest.mock does) reads as missing
-        return {name: getattr(config, name, "<deleted>") for name in config.get_config_copy()}
+        with warnings.catch_warnings():  # reading a deprecated setting warns
+            warnings.simplefilter("ignore", FutureWarning)
+            return {name: getattr(config, name, "<deleted>") for name in config.get_config_copy()}
 
     configs = [torch._inductor.config, torch._dynamo.config]
     before = [values(config) for config in configs]

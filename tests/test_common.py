@@ -203,3 +203,94 @@ def test_adamw_decays_the_weight_matrices_only_and_fsdp_keeps_the_groups():
         assert grouped(model) == [decay, no_decay]
     finally:
         dist.destroy_process_group()
+
+
+def test_async_checkpoints_hold_their_steps_weights_and_are_copied_and_published_beside_training(tmp_path, monkeypatch):
+    """AsyncCheckpoints in one process (a gloo group of 1), as the chapters use it, with its copy to CPU
+    memory slowed to 0.1 s per tensor: the step after a save waits for the copy before changing the
+    weights, so every checkpoint holds the weights of its step; the copy's CPU memory is the same in
+    every save; rank 0 publishes in a thread, not the training one; a full disk ends in one line."""
+    import errno
+    import threading
+    import time
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from harness import free_port
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import common.checkpoints
+    from common import AsyncCheckpoints, checkpoint_dir
+
+    copies, copied_at = [], []
+    stage = StateDictStager._stage_untyped_storage
+
+    def slow_stage(self, storage, non_blocking=False):
+        time.sleep(0.1)
+        copy = stage(self, storage, non_blocking)
+        copies.append(copy.data_ptr())
+        copied_at.append(time.perf_counter())
+        return copy
+
+    monkeypatch.setattr(StateDictStager, "_stage_untyped_storage", slow_stage)
+    publishers = []
+    publish = common.checkpoints.publish_checkpoint
+
+    def publish_in_which_thread(*args):
+        publishers.append(threading.current_thread())
+        publish(*args)
+
+    monkeypatch.setattr(common.checkpoints, "publish_checkpoint", publish_in_which_thread)
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        saves = AsyncCheckpoints(1, torch.device("cpu"))
+        optimizer.register_step_pre_hook(lambda *_: saves.wait_for_staging())  # as the chapters do
+
+        def train_step():
+            model(torch.randn(4, 8)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        def save(step, keep=2):
+            final_dir = checkpoint_dir(tmp_path, step)
+            tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
+            tmp_dir.mkdir(parents=True)
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            saves.start({"model": model_state, "optimizer": optimizer_state}, tmp_dir, final_dir, step, keep)
+            return time.perf_counter(), {name: value.clone() for name, value in model_state.items()}
+
+        weights = {}
+        train_step()
+        for step in [1, 2, 3]:
+            returned_at, weights[step] = save(step)
+            train_step()
+            assert returned_at < copied_at[-1]  # the copy went on beside training
+            saves.poll()
+        saves.close()
+
+        checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+        assert checkpoints == ["step-00000002", "step-00000003"]
+        for step in [2, 3]:
+            loaded = {"model": {name: torch.zeros_like(value) for name, value in weights[step].items()}}
+            dcp.load(loaded, checkpoint_id=checkpoint_dir(tmp_path, step))
+            assert all(torch.equal(loaded["model"][name], weights[step][name]) for name in weights[step]), step
+        # 8 tensors per save (2 weights, their 2 moments and step counts), copied into the same memory.
+        assert len(copies) == 3 * 8 and copies[:8] == copies[8:16] == copies[16:]
+        assert len(publishers) == 3 and threading.main_thread() not in publishers
+
+        def full_disk(*args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(common.checkpoints, "publish_checkpoint", full_disk)
+        saves = AsyncCheckpoints(1, torch.device("cpu"))
+        save(4)
+        with pytest.raises(SystemExit, match="no space left .* saving step 4; the checkpoint of step 3 is intact"):
+            saves.close()
+    finally:
+        dist.destroy_process_group()
