@@ -135,7 +135,7 @@ class Float8Stats:
         ]
         # A DTensor's max and sums are partial on each rank: reduced over its ranks, they are the whole tensor's.
         values = [v.full_tensor() if isinstance(v, DTensor) else v for v in values]
-        values.append(torch.tensor(float(x.numel())))
+        values.append(torch.full((), float(x.numel()), device=self.device))  # torch.tensor would wait for a copy
         row = torch.stack([value.float().to(self.device) for value in values])
         if key in self.values:  # another micro-batch, or a recomputed forward: add up
             old = self.values[key]

@@ -294,3 +294,36 @@ def test_async_checkpoints_hold_their_steps_weights_and_are_copied_and_published
             saves.close()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("chapter, args", [
+    ("02-multi-gpu", []),  # DDP: chapters 01 to 03's loop
+    ("06-fp8", ["--fp8-emulate", "--fp8-stats-every", "4", "--async-checkpoints", "--ckpt-freq", "4"]),
+])  # fmt: skip
+def test_the_host_waits_for_the_device_only_at_logging_steps(tmp_path, hf_home, chapter, args):
+    """A GPU runs ahead of the host until the host asks for a tensor's value (.item(), float(t), `if t:`)
+    or copies host data to it (torch.tensor(x, device=...)): then the GPU drains and idles. The probe
+    records each such call that a line of the chapters or of common/ makes: between logging steps
+    (every 4th here) there must be none, FP8's statistics steps and gradient accumulation included,
+    but the batches, made on the host by design, and the CPU's StopSignal.agreed, which reads its flag
+    at once there (on a GPU one step later, without waiting). What no CPU run shows: CUDA-only code
+    (CUDA events, pinned copies). Found this way: FP8's statistics made 140 tensors from host numbers
+    (torch.tensor) on each statistics step."""
+    from harness import FAST_ARGS, run_chapter
+
+    probe = tmp_path / "host_syncs.jsonl"
+    run_args = [*FAST_ARGS, "--log-freq", "4", "--eval-every", "100", "--max-steps", "8", "--grad-accum-steps", "2"]
+    run_chapter(chapter, *run_args, *args, "--save-dir", str(tmp_path), nproc=2, hf_home=hf_home,
+                faults={"PROBE_HOST_SYNCS": probe})  # fmt: skip
+    steps = {}  # steps finished -> what the host waited for since then, through the next step's end
+    for line in probe.read_text().splitlines():
+        record = json.loads(line)
+        steps[record["steps_finished"]] = {event.split(":")[0] + " " + event.split()[-1] for event in record["events"]}
+    assert sorted(steps) == list(range(9)), steps
+    expected = {
+        "from host common/data.py _rows",  # the batch: made on the host, copied from pinned memory without waiting
+        "read common/utils.py agreed",  # on the CPU only
+    }
+    between_logs = {step: events - expected for step, events in steps.items() if step % 4}
+    assert between_logs == dict.fromkeys(between_logs, set()), between_logs
+    assert f"read {chapter}/train_llm.py main" in steps[4]  # the log line reads the loss: the probe sees it

@@ -129,6 +129,48 @@ def gradient_reductions(path: str) -> None:
     register_optimizer_step_pre_hook(before_step)
 
 
+def host_syncs(path: str) -> None:
+    """What a GPU would wait for: every read of a tensor's value by the host (.item(), float(t), `if t:`,
+    an f-string) and every tensor made from host data (torch.tensor), that a line of the repository's
+    own code makes, by step: the line, and the steps finished before it."""
+    import atexit
+    import sys
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    repo = str(Path(__file__).resolve().parents[2]) + os.sep
+    watched = {torch.ops.aten._local_scalar_dense.default: "read", torch.ops.aten.lift_fresh.default: "from host"}
+    # Frames between the line that asks and the dispatch: a tensor's dunder methods, dynamo's wrapper.
+    passing = ("torch/_tensor.py", "torch/_compile.py", "torch/_dynamo/eval_frame.py")
+    steps, events = [0], []
+
+    class HostSyncs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in watched:
+                frame = sys._getframe(1)
+                while frame.f_code.co_filename.endswith(passing):
+                    frame = frame.f_back
+                where = frame.f_code.co_filename
+                if where.startswith(repo):
+                    events.append(f"{watched[func]} {where[len(repo):]}:{frame.f_lineno} {frame.f_code.co_name}")
+            return func(*args, **(kwargs or {}))
+
+    def write():
+        with open(path, "a") as f:
+            f.write(json.dumps({"steps_finished": steps[0], "events": events}) + "\n")
+        events.clear()
+
+    def after_step(optimizer, args, kwargs):
+        write()  # what happened since the step before finished: its bookkeeping, and this step
+        steps[0] += 1
+
+    register_optimizer_step_post_hook(after_step)
+    atexit.register(lambda: steps[0] and write())  # the last step's bookkeeping, the end's evaluation and save
+    HostSyncs().__enter__()  # for the whole run, on the training thread
+
+
 if RANK_0:
     if "PROBE_COMPILE_COUNTS" in os.environ:
         compile_counts(os.environ["PROBE_COMPILE_COUNTS"])
@@ -136,6 +178,8 @@ if RANK_0:
         state_bytes(Path(os.environ["PROBE_STATE_BYTES"]))
     if "PROBE_GRADIENT_REDUCTIONS" in os.environ:
         gradient_reductions(os.environ["PROBE_GRADIENT_REDUCTIONS"])
+    if "PROBE_HOST_SYNCS" in os.environ:
+        host_syncs(os.environ["PROBE_HOST_SYNCS"])
 if "PROBE_SCALED_MM_SHAPES" in os.environ:
     import scaled_mm_shapes
 
