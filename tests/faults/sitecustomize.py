@@ -38,6 +38,10 @@ PROBE_GRADIENT_REDUCTIONS=path  before every optimizer step of rank 0, append to
                                 the collectives that reduced the step's gradients: "ddp_buckets", the
                                 indices of the buckets DDP all-reduced (through a comm hook that does what
                                 DDP does by default), and "reduce_scatters", how many FSDP issued.
+PROBE_HOST_SYNCS=path           on rank 0, the host's waits for the device that a line of the repository
+                                makes (a tensor's value read: .item(), float(t), `if t:`; a tensor made from
+                                host data: torch.tensor), a JSON line per step: the steps finished before them
+                                and "file:line function" of each.
 PROBE_SCALED_MM_SHAPES=1        every emulated FP8 matmul (torchao, --fp8-emulate) first runs torch._scaled_mm
                                 on meta tensors of its operands: fails where an H100's kernel would, on shapes
                                 (scaled_mm_shapes.py).
