@@ -1,0 +1,131 @@
+"""What one GPU holds at the peak of a training step, measured on a CPU, beside what tools.plan predicts.
+
+PyTorch's FSDPMemTracker runs chapter 04's own parallelize and train_step on a model of the real
+shape under fake tensors (no memory, no arithmetic), with the fake process-group backend playing
+rank 0 of the whole job: every tensor FSDP2, DTensor and AdamW allocate is counted, by kind, at the
+step's peak. Any size runs in minutes on a laptop. Not compiled (fake tensors cannot be), so the
+planner is asked for the eager step too. Chapter 04's step: FSDP or HSDP, with accumulation and
+activation checkpointing (TP's DTensors and FP8's tensors do not run under FSDPMemTracker yet).
+
+    python -m tools.memory tools/model_shapes/llama-3.1-8b --batch-size 2 --seq-length 4096 --grad-accum-steps 2
+    python -m tools.memory tools/model_shapes/llama-3.1-8b --nodes 8 --shard-size 8 --batch-size 2 \\
+        --seq-length 8192 --activation-checkpointing
+"""
+
+import argparse
+import functools
+import importlib.util
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from tools.plan import GIB, Layout, count, plan
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load(chapter: str):
+    spec = importlib.util.spec_from_file_location(f"memory_{chapter[:2]}", REPO / chapter / "train_llm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tracked_peak(chapter, config, mesh, argv) -> dict:
+    """GiB that rank 0 holds at the peak of the chapter's second training step (the first has no AdamW
+    state yet), by FSDPMemTracker's kinds, "Total" included. `mesh`: the chapter's (replicate, shard,
+    tp) mesh, or (replicate, shard) for chapter 04; `argv`: the chapter's flags."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from transformers import AutoModelForCausalLM, masking_utils
+    from transformers.utils import import_utils
+
+    from common import PhaseTimers, transformer_blocks
+
+    args = chapter.get_parser().parse_args(argv)
+    device = torch.device("cpu")
+    # transformers counts fake tensors as tracing, and then builds a causal mask and repeats keys and values
+    # for every head, which a real step does not (20 KB per token per block at 8B); it takes the real
+    # step's path with fake tensors not tracing, and no packed sequences found, as in the chapters' rows.
+    not_tracing = mock.patch.object(masking_utils, "is_tracing", lambda tensor=None: import_utils.is_tracing())
+    not_packed = mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    with FakeTensorMode(allow_non_fake_inputs=True), not_tracing, not_packed:  # the mesh's rank tensors
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        chapter.parallelize(model, transformer_blocks(model), mesh, args, torch.bfloat16, use_compile=False)
+        model.to_empty(device=device)
+        # One tensor at a time, as GPUs' fused AdamW updates them: foreach's temporaries are each the size of
+        # all moments, and the fused kernel's fake version returns new tensors of that size.
+        optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+        lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        tracker = FSDPMemTracker(model, optimizer)
+
+        def batches():
+            while True:
+                tracker.reset_mod_stats()  # the tracker takes one forward per module: one micro-step at a time
+                ids = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_length))
+                yield {"input_ids": ids, "labels": ids}
+
+        autocast = functools.partial(torch.autocast, device.type, enabled=False)
+        with tracker:
+            micro_batches = batches()
+            for _ in range(2):
+                chapter.train_step(model, micro_batches, optimizer, lr_scheduler, args, PhaseTimers(device), autocast, device)
+    return {getattr(kind, "value", kind): value / GIB for kind, value in tracker.get_tracker_snapshot("peak")[device].items()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="a local folder with the model's config.json (tools/model_shapes has some)")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--shard-size", type=int, default=0, help="HSDP: dp ranks per shard group (default: all)")
+    parser.add_argument("--activation-checkpointing", nargs="?", const="full", choices=["full", "selective"])
+    parser.add_argument("--batch-size", type=int, default=1, help="rows per replica per micro-step")
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--grad-accum-steps", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import AutoConfig
+
+    gpus = args.nodes * args.gpus_per_node
+    shard = args.shard_size or gpus
+    chapter = "04-fsdp"
+    argv = ["--batch-size", str(args.batch_size), "--seq-length", str(args.seq_length)]
+    argv += ["--grad-accum-steps", str(args.grad_accum_steps), "--shard-size", str(shard)]
+    if args.activation_checkpointing:
+        argv += ["--activation-checkpointing", args.activation_checkpointing]
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
+    mesh = init_device_mesh("cpu", (gpus // shard, shard), mesh_dim_names=("replicate", "shard"))
+    peak = tracked_peak(load(chapter), AutoConfig.from_pretrained(args.model), mesh, argv)
+    dist.destroy_process_group()
+
+    layout = Layout("asked", gpus, 1, True, args.activation_checkpointing, args.shard_size, args.gpus_per_node)
+    planned = plan(count(args.model), layout, args.batch_size, args.seq_length, 2, False, compiled=False)
+    print(f"{args.model}, chapter {chapter[:2]} on {args.nodes} x {args.gpus_per_node} GPUs, {' '.join(argv)}")
+    print("GiB per GPU at the step's peak   measured (FSDPMemTracker)   planned (tools.plan, not compiled)")
+    rows = [
+        ("weights", peak["Sharded Param"], planned["weights"] / GIB),
+        ("gradients", peak["Sharded Grad"] + peak["Unsharded Grad"], planned["gradients"] / GIB),
+        ("optimizer", peak["OptState"], planned["optimizer"] / GIB),
+        ("gathered", peak["Unsharded Param"], planned["gathered"] / GIB),
+        ("activations", peak["Activation"] + peak["Temp"] + peak["Inputs"] + peak["Buffer"],
+         (planned["activations"] + planned["loss backward"]) / GIB),
+        ("total", peak["Total"], planned["total"] / GIB),
+    ]  # fmt: skip
+    for name, measured, predicted in rows:
+        print(f"  {name:<30} {measured:10.2f} {predicted:27.2f}")
+    print("measured, by FSDPMemTracker's kinds: " + ", ".join(f"{kind} {gib:.2f}" for kind, gib in peak.items()))
+    if peak["Total"] > 1.5 * planned["total"] / GIB:
+        # Seen with Llama-3.1-70B over 32 ranks: full-size fp32 tensors of the embeddings' shape, many times.
+        raise SystemExit("error: the fake run allocated far more than the planner's step holds, more than a real "
+                         "step would: not a measurement to trust at this shape")
+
+
+if __name__ == "__main__":
+    main()
