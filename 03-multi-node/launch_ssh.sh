@@ -51,6 +51,7 @@ status=0
 trap 'status=130; kill "${pids[@]}" 2>/dev/null || true' INT TERM
 
 for i in "${!hosts[@]}"; do
+    [[ $status == 0 ]] || break  # Ctrl-C while starting: start no more hosts
     host=${hosts[i]}
     env_file=/tmp/launch_ssh-$rdzv_id-$i.env
     # BatchMode: fail instead of asking for a password.
@@ -60,6 +61,8 @@ for i in "${!hosts[@]}"; do
         </dev/null > >(sed -u "s/\r$//; s/^/[$host] /") 2>&1 &
     pids+=($!)
 done
+# A Ctrl-C as a session started runs the trap before `pids+=($!)`: that session was not stopped.
+[[ $status == 0 ]] || kill "${pids[@]}" 2>/dev/null || true
 
 for pid in "${pids[@]}"; do
     code=0

@@ -348,11 +348,19 @@ def test_ctrl_c_on_the_ssh_launcher_stops_every_host(tmp_path, hf_home):
     save_dir = tmp_path / "out"
     output = tmp_path / "launcher.out"  # a file: a pipe the test did not read while it waits could stall the run
     start = time.monotonic()
-    with output.open("w") as out:
-        proc = ssh_launcher(
-            tmp_path, hf_home, CHAPTER, *ARGS, "--max-steps", "100000", "--save-dir", str(save_dir),
-            stdout=out, start_new_session=True,
-        )  # fmt: skip
+    # Ctrl-C reaches a terminal's foreground job, which its shell starts with SIGINT at the default.
+    # This process may ignore SIGINT (pytest started as a script's background job), and the launcher
+    # would inherit that: a shell cannot trap a signal ignored on entry, so it would not see the
+    # SIGINT below. A handler, unlike SIG_IGN, is reset to the default in the launcher.
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with output.open("w") as out:
+            proc = ssh_launcher(
+                tmp_path, hf_home, CHAPTER, *ARGS, "--max-steps", "100000", "--save-dir", str(save_dir),
+                stdout=out, start_new_session=True,
+            )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
     metrics = save_dir / CHAPTER / "metrics.jsonl"
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
         assert proc.poll() is None and time.monotonic() < start + 300, output.read_text()[-3000:]
