@@ -1,15 +1,15 @@
 """What one GPU holds at the peak of a training step, measured on a CPU, beside what tools.plan predicts.
 
-PyTorch's FSDPMemTracker runs chapter 04's own parallelize and train_step on a model of the real
+PyTorch's FSDPMemTracker runs the chapter's own parallelize and train_step on a model of the real
 shape under fake tensors (no memory, no arithmetic), with the fake process-group backend playing
 rank 0 of the whole job: every tensor FSDP2, DTensor and AdamW allocate is counted, by kind, at the
 step's peak. Any size runs in minutes on a laptop. Not compiled (fake tensors cannot be), so the
-planner is asked for the eager step too. Chapter 04's step: FSDP or HSDP, with accumulation and
-activation checkpointing (TP's DTensors and FP8's tensors do not run under FSDPMemTracker yet).
+planner is asked for the eager step too. Chapter 04's step (FSDP, HSDP), or chapter 05's with
+--tp-size (FSDP x TP).
 
     python -m tools.memory tools/model_shapes/llama-3.1-8b --batch-size 2 --seq-length 4096 --grad-accum-steps 2
-    python -m tools.memory tools/model_shapes/llama-3.1-8b --nodes 8 --shard-size 8 --batch-size 2 \\
-        --seq-length 8192 --activation-checkpointing
+    python -m tools.memory tools/model_shapes/llama-3.1-70b --nodes 4 --tp-size 8 --batch-size 8 \\
+        --seq-length 4096 --activation-checkpointing
 """
 
 import argparse
@@ -39,6 +39,7 @@ def tracked_peak(chapter, config, mesh, argv) -> dict:
     tp) mesh, or (replicate, shard) for chapter 04; `argv`: the chapter's flags."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.tensor import _sharding_prop
     from transformers import AutoModelForCausalLM, masking_utils
     from transformers.utils import import_utils
 
@@ -51,10 +52,15 @@ def tracked_peak(chapter, config, mesh, argv) -> dict:
     # step's path with fake tensors not tracing, and no packed sequences found, as in the chapters' rows.
     not_tracing = mock.patch.object(masking_utils, "is_tracing", lambda tensor=None: import_utils.is_tracing())
     not_packed = mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
-    with FakeTensorMode(allow_non_fake_inputs=True), not_tracing, not_packed:  # the mesh's rank tensors
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        chapter.parallelize(model, transformer_blocks(model), mesh, args, torch.bfloat16, use_compile=False)
+    # Built on the meta device as the chapters build it (no memory), out of fake tensors' way: FSDP's
+    # meshes compute their coordinates from real rank tensors.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    chapter.parallelize(model, transformer_blocks(model), mesh, args, torch.bfloat16, use_compile=False)
+    # DTensor derives each op's output shape on full-size tensors, in the fake mode it finds: in one of its own,
+    # as on a real run, where FSDPMemTracker leaves them out.
+    own_mode = mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *args: None)
+    with FakeTensorMode(allow_non_fake_inputs=True), not_tracing, not_packed, own_mode:  # the mesh's rank tensors
         model.to_empty(device=device)
         # One tensor at a time, as GPUs' fused AdamW updates them: foreach's temporaries are each the size of
         # all moments, and the fused kernel's fake version returns new tensors of that size.
@@ -71,8 +77,7 @@ def tracked_peak(chapter, config, mesh, argv) -> dict:
         autocast = functools.partial(torch.autocast, device.type, enabled=False)
         micro_batches = batches()
         step = functools.partial(chapter.train_step, model, micro_batches, optimizer, lr_scheduler, args)
-        # A first step untracked: AdamW makes its moments, and DTensor propagates each op's sharding once,
-        # on full-size fake tensors it then keeps (tracked, they would count as held: 270 GiB at 70B).
+        # A first step untracked, in which AdamW makes its moments.
         step(PhaseTimers(device), autocast, device)
         with tracker:
             step(PhaseTimers(device), autocast, device)
@@ -84,6 +89,7 @@ def main(argv=None) -> None:
     parser.add_argument("model", help="a local folder with the model's config.json (tools/model_shapes has some)")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--shard-size", type=int, default=0, help="HSDP: dp ranks per shard group (default: all)")
     parser.add_argument("--activation-checkpointing", nargs="?", const="full", choices=["full", "selective"])
     parser.add_argument("--batch-size", type=int, default=1, help="rows per replica per micro-step")
@@ -96,19 +102,26 @@ def main(argv=None) -> None:
     from transformers import AutoConfig
 
     gpus = args.nodes * args.gpus_per_node
-    shard = args.shard_size or gpus
-    chapter = "04-fsdp"
+    dp = gpus // args.tp_size
+    shard = args.shard_size or dp
+    chapter = "05-tensor-parallel" if args.tp_size > 1 else "04-fsdp"
     argv = ["--batch-size", str(args.batch_size), "--seq-length", str(args.seq_length)]
     argv += ["--grad-accum-steps", str(args.grad_accum_steps), "--shard-size", str(shard)]
     if args.activation_checkpointing:
         argv += ["--activation-checkpointing", args.activation_checkpointing]
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
-    mesh = init_device_mesh("cpu", (gpus // shard, shard), mesh_dim_names=("replicate", "shard"))
+    if chapter == "04-fsdp":
+        mesh = init_device_mesh("cpu", (dp // shard, shard), mesh_dim_names=("replicate", "shard"))
+    else:
+        argv += ["--tp-size", str(args.tp_size)]
+        mesh = init_device_mesh("cpu", (dp // shard, shard, args.tp_size), mesh_dim_names=("replicate", "shard", "tp"))
+        for dims in ["tp", "shard", "replicate", ("replicate", "shard")]:
+            mesh[dims].get_coordinate()
     peak = tracked_peak(load(chapter), AutoConfig.from_pretrained(args.model), mesh, argv)
     dist.destroy_process_group()
 
-    layout = Layout("asked", gpus, 1, True, args.activation_checkpointing, args.shard_size, args.gpus_per_node)
+    layout = Layout("asked", gpus, args.tp_size, True, args.activation_checkpointing, args.shard_size, args.gpus_per_node)
     planned = plan(count(args.model), layout, args.batch_size, args.seq_length, 2, False, compiled=False)
     print(f"{args.model}, chapter {chapter[:2]} on {args.nodes} x {args.gpus_per_node} GPUs, {' '.join(argv)}")
     print("GiB per GPU at the step's peak   measured (FSDPMemTracker)   planned (tools.plan, not compiled)")
