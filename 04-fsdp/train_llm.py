@@ -180,9 +180,7 @@ def main():
     timers = common.PhaseTimers(device)
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
-    async_saves = common.AsyncCheckpoints(args.dist_timeout, device) if args.async_checkpoints else None
-    if async_saves:  # a step changes the weights: it first waits until the last save has copied them
-        optimizer.register_step_pre_hook(lambda *_: async_saves.wait_for_staging())
+    async_saves = common.AsyncCheckpoints(args.dist_timeout, device, optimizer) if args.async_checkpoints else None
     postfix = {}  # what the progress bar shows after the counts
     running_loss = state["running_loss"]
     steps_since_log, log_start = state["steps_since_log"], time.perf_counter()

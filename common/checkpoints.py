@@ -69,7 +69,7 @@ class AsyncCheckpoints:
     keep-last-k never counts: a kill during the write leaves the checkpoint before it the last one. A
     save's error (a full disk) reaches the training thread at the next poll() or wait()."""
 
-    def __init__(self, timeout_minutes: float, device: torch.device):
+    def __init__(self, timeout_minutes: float, device: torch.device, optimizer: torch.optim.Optimizer):
         # The write's collectives run in a thread, beside training's, so they need a group of their own;
         # a CPU one (gloo), since they coordinate shards already copied to CPU memory.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
@@ -82,6 +82,8 @@ class AsyncCheckpoints:
         self.cuda = cuda = device.type == "cuda"
         options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_non_blocking_copy=cuda)
         self.stager = DefaultStager(options)  # use_async_staging: by default
+        # A step changes the weights and moments: it first waits until the last save has copied them.
+        optimizer.register_step_pre_hook(lambda *_: self.wait_for_staging())
         # Rank 0 publishes (fsync, rename, and remove old checkpoints: hundreds of GB at 70B) in a thread
         # too: on the training thread, every other rank would wait for it at its next collective.
         self.publisher = ThreadPoolExecutor(max_workers=1)

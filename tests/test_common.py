@@ -249,8 +249,7 @@ def test_async_checkpoints_hold_their_steps_weights_and_are_copied_and_published
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 8)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-        saves = AsyncCheckpoints(1, torch.device("cpu"))
-        optimizer.register_step_pre_hook(lambda *_: saves.wait_for_staging())  # as the chapters do
+        saves = AsyncCheckpoints(1, torch.device("cpu"), optimizer)
 
         def train_step():
             model(torch.randn(4, 8)).square().mean().backward()
@@ -288,7 +287,7 @@ def test_async_checkpoints_hold_their_steps_weights_and_are_copied_and_published
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(common.checkpoints, "publish_checkpoint", full_disk)
-        saves = AsyncCheckpoints(1, torch.device("cpu"))
+        saves = AsyncCheckpoints(1, torch.device("cpu"), optimizer)
         save(4)
         with pytest.raises(SystemExit, match="no space left .* saving step 4; the checkpoint of step 3 is intact"):
             saves.close()

@@ -12,21 +12,15 @@ bytes where FP8 is all-gathered, and the bytes against what `python -m tools.pla
 """
 
 import collections
-import importlib.util
 
 import pytest
 import torch
 import torch.distributed as dist
 from harness import REPO
 
+from tools.memory import load
+
 BATCH, SEQ, VOCAB = 1, 256, 4096
-
-
-def load(chapter):
-    spec = importlib.util.spec_from_file_location(f"layouts_{chapter[:2]}", REPO / chapter / "train_llm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class Collectives(torch.utils._python_dispatch.TorchDispatchMode):
