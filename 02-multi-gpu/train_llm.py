@@ -25,7 +25,7 @@ import wandb
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
 import common
 
@@ -109,7 +109,10 @@ def main():
         betas=(0.9, args.beta2),
         fused=device.type == "cuda",
     )
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, common.warmup_cosine(args.warmup_steps, total_steps))
+    # Linear warmup from 0 over --warmup-steps, then cosine decay to 10% of --lr at the last step.
+    lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, args.warmup_steps, total_steps, min_lr_rate=0.1
+    )
 
     # --- 6. Resume from the last checkpoint, if there is one ---
     exp_dir = Path(args.save_dir) / args.experiment_name

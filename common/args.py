@@ -16,7 +16,7 @@ from common.model import DEFAULT_MODEL
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         # A one-line SystemExit instead of usage + exit(2): torchrun's failure summary then shows it
-        # (see common.utils.record), and a single process prints it as its last line.
+        # (see common.distributed.record), and a single process prints it as its last line.
         raise SystemExit(f"error: {message} (see --help)")
 
 

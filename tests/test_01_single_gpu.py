@@ -52,6 +52,18 @@ def straight_losses(straight_run):
     return losses(straight_run)
 
 
+def test_the_lr_rises_from_zero_then_decays_on_a_cosine_to_a_tenth(straight_run):
+    # transformers' schedule, against its closed form: after k steps the LR is --lr x k / --warmup-steps
+    # in warmup (the first step trains at 0), then on a cosine from --lr to --lr / 10 at the last step.
+    # The LR a log line reports is the next step's.
+    lr, warmup = 1e-3, 5
+    expected = {k: lr * k / warmup for k in range(1, warmup)}
+    expected |= {k: lr * (0.1 + 0.45 * (1 + math.cos(math.pi * (k - warmup) / (STEPS - warmup)))) for k in range(warmup, STEPS + 1)}  # fmt: skip
+    logged = {step: record["lr"] for step, record in read_metrics(straight_run).items()}
+    assert logged == pytest.approx(expected, rel=1e-12, abs=0)
+    assert logged[STEPS] == pytest.approx(lr / 10, rel=1e-12)
+
+
 def test_exact_resume_after_kill(tmp_path, hf_home, straight_losses):
     args = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", str(STEPS // 2), "--save-dir", str(tmp_path)]
     killed = run_chapter(CHAPTER, *args, hf_home=hf_home, faults={"FAULT_KILL_AFTER_CHECKPOINT": 1}, check=False)

@@ -162,7 +162,7 @@ def test_flops_per_token_counts_every_matmul_once_tied_or_not():
     ],
 )
 def test_peak_flops_lookup_takes_the_exact_device(name, peak):
-    from common.utils import lookup_peak_flops
+    from common.metrics import lookup_peak_flops
 
     assert lookup_peak_flops(name) == peak
 
@@ -321,7 +321,7 @@ def test_the_host_waits_for_the_device_only_at_logging_steps(tmp_path, hf_home, 
     assert sorted(steps) == list(range(9)), steps
     expected = {
         "from host common/data.py _rows",  # the batch: made on the host, copied from pinned memory without waiting
-        "read common/utils.py agreed",  # on the CPU only
+        "read common/distributed.py agreed",  # on the CPU only
     }
     between_logs = {step: events - expected for step, events in steps.items() if step % 4}
     assert between_logs == dict.fromkeys(between_logs, set()), between_logs

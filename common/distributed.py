@@ -1,0 +1,120 @@
+"""What a job of many processes needs beyond torch.distributed: one rank first (downloads, data),
+its errors in torchrun's failure summary, and a stop signal that every rank acts on at the same step."""
+
+import functools
+import itertools
+import logging
+import os
+import signal
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+from torch.distributed.elastic.multiprocessing.errors import record as torchrun_record
+
+from common import metrics
+
+logger = logging.getLogger(__name__)
+
+
+_phases = itertools.count()  # every rank enters the same rank0_first phases in the same order
+
+
+@contextmanager
+def rank0_first(local: bool = False):
+    """Rank 0 runs the block first (downloads, tokenizes, fills the caches), then the other ranks run
+    it and find everything cached. Without it, every rank would download and tokenize at once.
+
+    With `local=True`, local rank 0 of every node goes first: for caches on each node's own disk.
+    The others wait for as long as it takes, not for --dist-timeout: preparing a large corpus takes
+    hours, and a collective would time out. They poll the job's key-value store (torchrun's), which
+    no timeout ends, and say every 10 minutes what they wait for; if the first rank dies, torchrun
+    stops them. If it stops with an error (a bad --dataset-name, say), the waiting ranks stop with the
+    same message instead of waiting on: every rank reports what went wrong.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    rank, local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
+    first = rank - local_rank if local else 0  # the rank that goes first for this one
+    key = f"rank0_first/{next(_phases)}/{first}"
+    if rank == first:
+        try:
+            yield
+        except SystemExit as exit:
+            store.set(key, f"error:{exit.code}")
+            raise
+        store.set(key, "done")
+        return
+    start, report = time.monotonic(), 600
+    while not store.check([key]):
+        time.sleep(0.1)
+        if time.monotonic() - start > report:
+            logger.warning(f"Waiting {report // 60} min so far for rank {first} (downloading, preparing the data)")
+            report += 600
+    status = store.get(key).decode()
+    if status.startswith("error:"):
+        raise SystemExit(status.removeprefix("error:"))
+    yield
+
+
+def record(main):
+    """torchrun's `@record`, which also records the one-line errors the chapters stop with.
+
+    `@record` writes a failing rank's exception to the error file whose contents torchrun's failure
+    summary prints, the last lines of a failed job; but it lets a `SystemExit` pass unrecorded, and
+    the summary would then say nothing of a bad flag or dataset. This records those too.
+    """
+
+    @functools.wraps(main)
+    def main_recording_exits(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except SystemExit as exit:
+            if isinstance(exit.code, str):
+                get_error_handler().record_exception(exit)
+            raise
+
+    return torchrun_record(main_recording_exits)
+
+
+class StopSignal:
+    """SIGTERM (sent by Slurm before a time limit, by schedulers before a preemption, by torchrun when
+    it stops) or Ctrl-C asks the run to stop: it finishes its step, saves a checkpoint and exits, and
+    rerunning resumes. A second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.name = None
+        self._pending = []  # (pinned host copy, CUDA event) of the last steps' agreements
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.name = signal.Signals(signum).name
+        metrics.stop_wandb_calls()  # Slurm signals wandb's service too: see log_metrics
+        logger.warning(f"{self.name}: stopping after this step, with a checkpoint")
+
+    def agreed(self, device: torch.device) -> str | None:
+        """In a distributed job: the signal's name once any rank has got one, on every rank at the same step.
+
+        The signal reaches the ranks at different steps, and a rank that stopped alone would leave the
+        others waiting in a collective. So every step all-reduces "has any rank got one?". On a GPU
+        the answer is read one step later, when the GPU has long computed it: waiting for it then
+        never idles the GPU, as reading it at once (a host-device sync every step) would.
+        """
+        # Filled on the device: torch.tensor(value, device=...) would copy from the host, and wait for it.
+        flag = torch.full((), float(self.name is not None), device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if device.type != "cuda":
+            return self.name or ("a signal to another rank" if flag.item() else None)
+        host = torch.empty((), pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        self._pending.append((host, torch.cuda.Event()))
+        self._pending[-1][1].record()
+        if len(self._pending) < 2:
+            return None
+        host, done = self._pending.pop(0)
+        done.synchronize()
+        return self.name or ("a signal to another rank" if host.item() else None)
