@@ -85,22 +85,16 @@ def main():
     # --- 4. Model ---
     # Built on the CPU and then moved, so every chapter starts from the same weights for a seed.
     torch.manual_seed(args.seed)
-    if args.from_pretrained:
-        try:
-            with common.rank0_first():
-                model = AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
-        except OSError as err:
-            raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
-    else:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model = model.to(device)
-    num_params = sum(p.numel() for p in model.parameters())
-    logger.info(f"{num_params:,} parameters")
+    with common.rank0_first():  # a first run downloads the weights
+        model = build_model(args, config)
     if args.activation_checkpointing:
         # Each block keeps only its input (selective: and its matmuls' and attention's outputs); the rest
         # is recomputed during backward.
         options = common.checkpointing_options(args.activation_checkpointing)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    model = model.to(device)
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info(f"{num_params:,} parameters")
 
     # --- 5. Optimizer and LR schedule ---
     optimizer = torch.optim.AdamW(
@@ -280,6 +274,17 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
         optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm
 
+
+
+def build_model(args, config):
+    """The model in fp32 on the CPU: from the config, with random weights drawn from the seed, or with
+    --from-pretrained the published weights (a first run downloads them)."""
+    if not args.from_pretrained:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        return AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
+    except OSError as err:
+        raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
 
 
 def init_distributed(args, device_type, local_rank):

@@ -109,24 +109,21 @@ def main():
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # --- 4. Model ---
-    # Only rank 0 ever holds the whole model, and only on the CPU: built there as in the chapters
-    # before (so the same seed gives the same weights), or loaded with --from-pretrained.
+    # Only rank 0 ever holds the whole model, and only on the CPU, built as in the chapters before (the same
+    # seed gives the same weights). The others wait for it on the job's store (rank0_first), for as long as a
+    # download takes, not in a collective that would time out.
     torch.manual_seed(args.seed)
-    full_model = None
-    try:
-        # Rank 0 alone builds or loads it (a first run downloads): the others wait on the job's store,
-        # for as long as it takes (rank0_first), not in a collective that would time out.
-        with common.rank0_first():
-            if rank == 0 and args.from_pretrained:
-                full_model = AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
-            elif rank == 0:
-                full_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    except OSError as err:
-        raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
+    with common.rank0_first():
+        full_model = build_model(args, config) if rank == 0 else None
     # Every rank builds the structure on the meta device (shapes, no memory), shards it, and
     # allocates only its own shards on its device.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if args.activation_checkpointing:
+        # Each block keeps only its input (selective: and its matmuls' and attention's outputs); the rest
+        # is recomputed during backward.
+        options = common.checkpointing_options(args.activation_checkpointing)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     # Found once, now: fully_shard changes each block's class, and then the names would not match.
     blocks = common.transformer_blocks(model)
     parallelize(model, blocks, mesh, args, dtype, use_compile)
@@ -318,6 +315,17 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
     return step_loss, grad_norm
 
 
+def build_model(args, config):
+    """The model in fp32 on the CPU: from the config, with random weights drawn from the seed, or with
+    --from-pretrained the published weights (a first run downloads them)."""
+    if not args.from_pretrained:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        return AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
+    except OSError as err:
+        raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
+
+
 def send_full_weights(model, full_model, device):
     """Rank 0's full weights (`full_model`, None on the other ranks), sent tensor by tensor into every
     rank's shards of `model`."""
@@ -338,12 +346,7 @@ def send_full_weights(model, full_model, device):
 
 def parallelize(model, blocks, mesh, args, dtype, use_compile):
     """What the chapter does to the model, in the order it must be done (torchtitan's parallelize_llama
-    is the model): activation checkpointing, compile, then FSDP."""
-    if args.activation_checkpointing:
-        # Each block keeps only its input (selective: and its matmuls' and attention's outputs); the rest
-        # is recomputed during backward.
-        options = common.checkpointing_options(args.activation_checkpointing)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    is the model; main() has switched on activation checkpointing): compile, then FSDP."""
     if use_compile:
         # Each block compiled on its own: FSDP's hooks between blocks stay outside the compiled code.
         # Whole, or not at all (fullgraph): a graph break would silently split a block into pieces, each

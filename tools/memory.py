@@ -43,7 +43,7 @@ def tracked_peak(chapter, config, mesh, argv) -> dict:
     from transformers import AutoModelForCausalLM, masking_utils
     from transformers.utils import import_utils
 
-    from common import PhaseTimers, transformer_blocks
+    from common import PhaseTimers, checkpointing_options, transformer_blocks
 
     args = chapter.get_parser().parse_args(argv)
     device = torch.device("cpu")
@@ -56,6 +56,8 @@ def tracked_peak(chapter, config, mesh, argv) -> dict:
     # meshes compute their coordinates from real rank tensors.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if args.activation_checkpointing:  # as the chapter's main applies it
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_options(args.activation_checkpointing))
     chapter.parallelize(model, transformer_blocks(model), mesh, args, torch.bfloat16, use_compile=False)
     # DTensor derives each op's output shape on full-size tensors, in the fake mode it finds: in one of its own,
     # as on a real run, where FSDPMemTracker leaves them out.
