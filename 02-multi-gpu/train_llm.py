@@ -275,7 +275,6 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
     return step_loss, grad_norm
 
 
-
 def build_model(args, config):
     """The model in fp32 on the CPU: from the config, with random weights drawn from the seed, or with
     --from-pretrained the published weights (a first run downloads them)."""

@@ -48,9 +48,8 @@ def main():
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     # Rank 0 speaks for the job; the others only report warnings and errors. Across nodes, the
     # host name says where a rank runs: ranks are not assigned in the order of a host list.
-    common.setup_logging(
-        prefix=f"[{socket.gethostname()} rank={rank}] ", level=logging.INFO if rank == 0 else logging.WARNING
-    )
+    prefix = f"[{socket.gethostname()} rank={rank}] "
+    common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
     logger.info(args)
     # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
@@ -290,7 +289,6 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm
-
 
 
 def build_model(args, config):

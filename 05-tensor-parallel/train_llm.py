@@ -67,9 +67,8 @@ def main():
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     # Rank 0 speaks for the job; the others only report warnings and errors. Across nodes, the
     # host name says where a rank runs: ranks are not assigned in the order of a host list.
-    common.setup_logging(
-        prefix=f"[{socket.gethostname()} rank={rank}] ", level=logging.INFO if rank == 0 else logging.WARNING
-    )
+    prefix = f"[{socket.gethostname()} rank={rank}] "
+    common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
     logger.info(args)
     # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
@@ -359,11 +358,8 @@ def send_full_weights(model, full_model, device):
     """Rank 0's full weights (`full_model`, None on the other ranks), sent tensor by tensor into every
     rank's shards of `model`."""
     rank = dist.get_rank()
-    set_model_state_dict(
-        model,
-        full_model.state_dict() if rank == 0 else {},
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-    )
+    full_state = full_model.state_dict() if rank == 0 else {}
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     # Buffers outside the state dict (Llama's rotary frequencies) are not sent: send them too, to
     # the device, where the model computes (with --cpu-offload, to_empty left them on the CPU).
     for name, buffer in model.named_buffers():
