@@ -306,10 +306,9 @@ def test_mfu_counts_transformer_engines_layers(fake_te):
 
 
 def load_chapter():
-    spec = importlib.util.spec_from_file_location("chapter_06", REPO / CHAPTER / "train_llm.py")
-    chapter = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chapter)
-    return chapter
+    from tools.memory import load
+
+    return load(CHAPTER)
 
 
 def chapter_parser():
