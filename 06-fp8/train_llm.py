@@ -51,7 +51,8 @@ from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM
 
 import common
-from common import fp8, tp
+from common import tp
+from common.fp8 import fp8_filter
 
 # After common, which quiets torchao's import-time lines about kernels that no chapter uses.
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
@@ -61,6 +62,11 @@ from torchao.float8.float8_tensor_parallel import (
     Float8RowwiseParallel,
     PrepareFloat8ModuleInput,
 )
+
+# The chapter's own modules, beside this script: torchao's helpers, FP8 statistics, Transformer Engine.
+import te_backend
+import torchao_fp8
+from fp8_stats import Float8Stats
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +104,10 @@ def main():
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
     if args.fp8_backend == "te":
         # Transformer Engine's layers compute in FP8 only inside its autocast.
-        te, recipe = fp8.transformer_engine(args)
+        te, recipe = te_backend.transformer_engine(args)
         autocast = functools.partial(te.autocast, recipe=recipe)
     else:
-        use_compile = fp8.torchao_settings(args, device, use_compile)
+        use_compile = torchao_fp8.torchao_settings(args, device, use_compile)
     if args.cpu_offload and device.type != "cuda":
         raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
     # Three dimensions. tp, the inner one, groups --tp-size consecutive ranks: a node's GPUs, whose NVLink
@@ -223,7 +229,7 @@ def main():
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
     async_saves = common.AsyncCheckpoints(args.dist_timeout, device, optimizer) if args.async_checkpoints else None
-    fp8_stats = fp8.Float8Stats(model, None, device, reduce=args.fp8_stats_group == "world", every=args.fp8_stats_every)
+    fp8_stats = Float8Stats(model, None, device, reduce=args.fp8_stats_group == "world", every=args.fp8_stats_every)
     postfix = {}  # what the progress bar shows after the counts
     running_loss = state["running_loss"]
     steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
@@ -399,11 +405,11 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
     # scale per tensor, FSDP all-gathers torchao's weights in FP8: half the bytes of bf16.
     fp8_all_gather = args.fp8_backend == "torchao" and args.fp8_recipe == "tensorwise"
     if args.fp8_backend == "te":
-        fp8.convert_to_te(blocks)
+        te_backend.convert_to_te(blocks)
     else:
         apply_float8(blocks, args, fp8_all_gather)
     # A run "in FP8" with no layer in FP8 would only be slower: refused, and otherwise said what is in FP8.
-    in_fp8, summary = fp8.fp8_summary(model, blocks, fp8.fp8_left_out(args))
+    in_fp8, summary = torchao_fp8.fp8_summary(model, blocks, torchao_fp8.fp8_left_out(args))
     if not in_fp8:
         raise SystemExit(f"error: no layer would compute in FP8: {summary}")
     logger.info(summary)
@@ -438,7 +444,7 @@ def apply_float8(blocks, args, fp8_all_gather):
         emulate=args.fp8_emulate,
         enable_fsdp_float8_all_gather=fp8_all_gather,
     )
-    keep = fp8.fp8_filter(args.fp8_recipe, args.tp_size, fast_only=args.fp8_layers == "fast")
+    keep = fp8_filter(args.fp8_recipe, args.tp_size, fast_only=args.fp8_layers == "fast")
     for block in blocks:
         convert_to_float8_training(block, config=config, module_filter_fn=keep)
 
@@ -571,7 +577,7 @@ def export_hf(model, config, tokenizer, folder, dtype):
         return
     with torch.device("meta"):
         export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    weights = {name: value.to(dtype) for name, value in fp8.weights_only(full_state).items()}
+    weights = {name: value.to(dtype) for name, value in torchao_fp8.weights_only(full_state).items()}
     export_model.load_state_dict(weights, assign=True)
     export_model.tie_weights()  # converted one by one, tied weights became two tensors again
     export_model.save_pretrained(folder)
@@ -613,7 +619,7 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
         # Every rank writes its own shards, in parallel, and DCP records where each shard sits in the
         # full tensor: a job with another number of ranks can load them, resharded.
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        shards = {"model": fp8.weights_only(model_state), "optimizer": optimizer_state}
+        shards = {"model": torchao_fp8.weights_only(model_state), "optimizer": optimizer_state}
         if async_saves:
             async_saves.start(shards, tmp_dir, final_dir, state["global_step"], keep)
         else:
@@ -634,7 +640,7 @@ def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
     with common.loading(checkpoint):
         # DCP loads in place into this run's shards, whatever the number of ranks that saved them.
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        shards = {"model": fp8.weights_only(model_state), "optimizer": optimizer_state}
+        shards = {"model": torchao_fp8.weights_only(model_state), "optimizer": optimizer_state}
         dcp.load(shards, checkpoint_id=checkpoint)
         model_state.update(shards["model"])  # TE's (empty) extra state stays as the layers have it
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=shards["optimizer"])

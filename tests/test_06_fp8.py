@@ -20,6 +20,7 @@ from harness import (
 )
 
 CHAPTER = "06-fp8"
+sys.path.insert(0, str(REPO / CHAPTER))  # the chapter's own modules, imported as its script imports them
 STEPS = 12
 ARGS = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", "6", "--fp8-emulate"]
 STATS_ARGS = ["--fp8-stats-every", "4"]
@@ -184,7 +185,7 @@ def test_statistics_count_what_underflows():
     underflow; the exact zero is not counted."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from common.fp8 import Float8Stats
+    from fp8_stats import Float8Stats
 
     model = convert_to_float8_training(
         torch.nn.Sequential(torch.nn.Linear(16, 16)), config=Float8LinearConfig(emulate=True)
@@ -294,7 +295,7 @@ def test_mfu_counts_transformer_engines_layers(fake_te):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from common import DEFAULT_MODEL, flops_per_token, transformer_blocks
-    from common.fp8 import convert_to_te
+    from te_backend import convert_to_te
 
     config = AutoConfig.from_pretrained(DEFAULT_MODEL)
     with torch.device("meta"):
@@ -332,7 +333,7 @@ def chapter_parser():
     ids=["layout", "tokens"],
 )
 def test_transformer_engine_refuses_what_it_cannot_run(argv, message):
-    from common.fp8 import transformer_engine
+    from te_backend import transformer_engine
 
     with pytest.raises(SystemExit) as exit:
         transformer_engine(chapter_parser().parse_args(["--fp8-backend", "te", *argv]))
@@ -341,7 +342,7 @@ def test_transformer_engine_refuses_what_it_cannot_run(argv, message):
 
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed here")
 def test_without_transformer_engine_it_says_how_to_install_it():
-    from common.fp8 import transformer_engine
+    from te_backend import transformer_engine
 
     with pytest.raises(SystemExit) as exit:
         transformer_engine(chapter_parser().parse_args(["--fp8-backend", "te"]))
@@ -384,7 +385,7 @@ def test_emulated_matmuls_refuse_the_shapes_the_gpu_refuses():
     import scaled_mm_shapes
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from common.fp8 import torchao_settings
+    from torchao_fp8 import torchao_settings
 
     layer = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(32, 64)), config=Float8LinearConfig(emulate=True))
     scaled_mm_shapes.install()
@@ -408,7 +409,7 @@ def test_what_compiling_fp8_needs():
     there; asked to compile, it refuses. Rowwise scales compile with eager's rounding (pytorch#150859)."""
     from torch._inductor import config as inductor_config
 
-    from common.fp8 import torchao_settings
+    from torchao_fp8 import torchao_settings
 
     parse = chapter_parser().parse_args
     a100 = torch.device("cuda", 0)  # only its type is read
@@ -440,7 +441,7 @@ def test_layers_go_to_fp8_by_the_slice_each_gpu_multiplies(recipe, tp, in_fp8):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from common import transformer_blocks
-    from common.fp8 import fp8_summary
+    from torchao_fp8 import fp8_summary
 
     config = AutoConfig.from_pretrained(REPO / "tools" / "model_shapes" / "llama-3.1-8b")
     config.num_hidden_layers = 2
