@@ -1,21 +1,30 @@
 """NVIDIA's Transformer Engine (--fp8-backend te), the other backend: its `te.Linear` in place of the
-blocks' linear layers, checked for the layout it supports and for its presence first."""
+blocks' linear layers, computing in FP8 inside `te.autocast`.
+
+For FSDP alone: the combination TE's own FSDP2 tests exercise (fully_shard over TE's layers; they do
+not cover FSDP's mixed precision, torch.compile or HF models). The recipe is TE's equivalent of
+torchao's tensorwise, Float8CurrentScaling: one scale per tensor, from its amax when it is cast.
+
+Not TE's delayed scaling (scales from the amaxes of past steps): that history is state, which TE
+checkpoints as a pickle that it no longer loads by default, and whose size changes once training
+starts, so that DCP cannot load it in place into a fresh model.
+
+Beside `setup` and `convert`, TE shows in the chapter where its layers' state does: each has an
+`_extra_state` entry (FP8 metadata, empty with current scaling) that HF's layers have not. Rank 0's HF
+weights lack it (send_full_weights adds the model's own), checkpoints and the export leave it out
+(torchao_fp8.weights_only: either backend resumes the other's checkpoints), and a resumed model keeps
+its own (load_checkpoint).
+"""
+
+import functools
 
 import torch
 
 from common.fp8 import fp8_able
 
 
-def transformer_engine(args):
-    """NVIDIA's Transformer Engine and its recipe, for FSDP alone: the combination TE's own FSDP2 tests
-    exercise (fully_shard over TE's layers; they do not cover FSDP's mixed precision, torch.compile or
-    HF models). The recipe is TE's equivalent of torchao's tensorwise, Float8CurrentScaling: one scale
-    per tensor, from its amax when it is cast.
-
-    Not TE's delayed scaling (scales from the amaxes of past steps): that history is state, which TE
-    checkpoints as a pickle that it no longer loads by default, and whose size changes once training
-    starts, so that DCP cannot load it in place into a fresh model.
-    """
+def setup(args):
+    """Refuses what TE cannot run here, loads it, and returns the autocast its layers compute in FP8 in."""
     unsupported = [
         flag
         for flag, given in [
@@ -51,14 +60,14 @@ def transformer_engine(args):
     available, reason = te.is_fp8_available(return_reason=True)
     if not available:
         raise SystemExit(f"error: --fp8-backend te: no FP8 here ({reason})")
-    return te, Float8CurrentScaling()
+    return functools.partial(te.autocast, recipe=Float8CurrentScaling())
 
 
-def convert_to_te(blocks, te=None):
-    """Transformer Engine's Linear in place of each FP8-able nn.Linear of the blocks, on the meta device
-    (rank 0's weights are sent in later, as for the rest of the model)."""
-    if te is None:
-        import transformer_engine.pytorch as te
+def convert(blocks):
+    """TE's Linear in place of each FP8-able nn.Linear of the blocks, on the meta device (rank 0's weights
+    are sent in later, as for the rest of the model)."""
+    import transformer_engine.pytorch as te
+
     for block in blocks:
         for name, linear in list(block.named_modules()):
             if isinstance(linear, torch.nn.Linear) and fp8_able(linear):

@@ -103,9 +103,7 @@ def main():
     autocast = functools.partial(torch.autocast, device.type, enabled=False)
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
     if args.fp8_backend == "te":
-        # Transformer Engine's layers compute in FP8 only inside its autocast.
-        te, recipe = te_backend.transformer_engine(args)
-        autocast = functools.partial(te.autocast, recipe=recipe)
+        autocast = te_backend.setup(args)  # Transformer Engine's layers compute in FP8 only inside its autocast
     else:
         use_compile = torchao_fp8.torchao_settings(args, device, use_compile)
     if args.cpu_offload and device.type != "cuda":
@@ -405,7 +403,7 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
     # scale per tensor, FSDP all-gathers torchao's weights in FP8: half the bytes of bf16.
     fp8_all_gather = args.fp8_backend == "torchao" and args.fp8_recipe == "tensorwise"
     if args.fp8_backend == "te":
-        te_backend.convert_to_te(blocks)
+        te_backend.convert(blocks)
     else:
         apply_float8(blocks, args, fp8_all_gather)
     # A run "in FP8" with no layer in FP8 would only be slower: refused, and otherwise said what is in FP8.

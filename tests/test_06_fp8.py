@@ -295,13 +295,13 @@ def test_mfu_counts_transformer_engines_layers(fake_te):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from common import DEFAULT_MODEL, flops_per_token, transformer_blocks
-    from te_backend import convert_to_te
+    from te_backend import convert
 
     config = AutoConfig.from_pretrained(DEFAULT_MODEL)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     before = flops_per_token(model, config, 128)
-    convert_to_te(transformer_blocks(model), fake_te)
+    convert(transformer_blocks(model))  # the stand-in, which fake_te imported
     assert sum(type(module) is fake_te.Linear for module in model.modules()) == len(FP8_LAYERS)
     assert flops_per_token(model, config, 128) == before
 
@@ -333,19 +333,19 @@ def chapter_parser():
     ids=["layout", "tokens"],
 )
 def test_transformer_engine_refuses_what_it_cannot_run(argv, message):
-    from te_backend import transformer_engine
+    from te_backend import setup
 
     with pytest.raises(SystemExit) as exit:
-        transformer_engine(chapter_parser().parse_args(["--fp8-backend", "te", *argv]))
+        setup(chapter_parser().parse_args(["--fp8-backend", "te", *argv]))
     assert str(exit.value.code) == message
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed here")
 def test_without_transformer_engine_it_says_how_to_install_it():
-    from te_backend import transformer_engine
+    from te_backend import setup
 
     with pytest.raises(SystemExit) as exit:
-        transformer_engine(chapter_parser().parse_args(["--fp8-backend", "te"]))
+        setup(chapter_parser().parse_args(["--fp8-backend", "te"]))
     assert str(exit.value.code).startswith("error: --fp8-backend te: Transformer Engine does not load (No module named")
     assert str(exit.value.code).endswith("pip install --no-build-isolation 'transformer_engine[pytorch]>=2.18'")
 
