@@ -1,4 +1,4 @@
-"""torchao's float8 training around chapter 06's script: what its kernels need, the line that says which
+"""torchao's float8 training around chapter 06's script: what its kernels refuse, the line that says which
 layers compute in FP8, and the weights a checkpoint holds."""
 
 import collections
@@ -9,9 +9,8 @@ from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 
-def torchao_settings(args, device, use_compile: bool) -> bool:
-    """Refuses what torchao's FP8 kernels cannot run, sets what compiling them needs and which layers
-    go to FP8 (--fp8-layers), and returns whether to compile."""
+def check(args, device) -> None:
+    """Refuses, in one line naming the flags, what torchao's FP8 kernels cannot run here."""
     # FP8 matmuls need compute capability 8.9 (Ada, Hopper) or newer. Elsewhere torchao emulates them:
     # the same FP8 rounding, multiplied in high precision, for learning and testing; no speed-up.
     if not args.fp8_emulate and not (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)):
@@ -19,8 +18,6 @@ def torchao_settings(args, device, use_compile: bool) -> bool:
             f"error: this {device.type} has no FP8 matmuls (an H100, L40S, RTX 4090 or newer has): "
             "pass --fp8-emulate to emulate them, with no speed-up"
         )
-    if args.fp8_layers is None:  # emulation has no speed to lose: every layer FP8 can multiply shows its rounding
-        args.fp8_layers = "all" if args.fp8_emulate else "fast"
     if args.fp8_stats_every and args.tp_size > 1 and args.fp8_recipe == "tensorwise" and device.type == "cuda":
         raise SystemExit(
             "error: --fp8-stats-every measures each tensor before its cast to FP8, but with --tp-size > 1 and "
@@ -35,22 +32,15 @@ def torchao_settings(args, device, use_compile: bool) -> bool:
             f"error: FP8 matmuls need a multiple of 16 tokens per micro-batch: --batch-size {args.batch_size} "
             f"x --seq-length {args.seq_length} is {tokens}; change one of them"
         )
-    if args.fp8_emulate and device.type == "cuda" and use_compile:
+    if args.fp8_emulate and device.type == "cuda" and args.compile:
         # Inductor compiles the emulated casts to FP8 into Triton kernels, which need compute capability 8.9.
-        if args.compile:
-            raise SystemExit("error: --fp8-emulate on this GPU cannot be compiled (Triton casts to FP8 on "
-                             "compute capability 8.9 or newer only): pass --no-compile")
-        use_compile = False
-    if args.fp8_recipe == "rowwise" and use_compile:
-        # Inductor may fuse RMSNorm with the rowwise cast that follows it, skipping the rounding to bf16
-        # between them, and the scales come out wrong (NaNs): pytorch/pytorch#150859. Round as eager does.
-        torch._inductor.config.emulate_precision_casts = True
-    return use_compile
+        raise SystemExit("error: --fp8-emulate on this GPU cannot be compiled (Triton casts to FP8 on "
+                         "compute capability 8.9 or newer only): pass --no-compile")
 
 
 def fp8_summary(model, blocks, filtered: str) -> tuple[int, str]:
-    """How many of the blocks' matmul layers compute in FP8, and a line naming those that do not, by
-    why; `filtered` says why the filter left an nn.Linear out."""
+    """How many of the blocks' matmul layers compute in FP8 (torchao's or TE's), and a line naming those
+    that do not, by why; `filtered` says why the filter left an nn.Linear out."""
     in_fp8, total, kept = 0, 0, collections.defaultdict(set)
     for block in blocks:
         for name, module in block.named_modules():

@@ -105,7 +105,13 @@ def main():
     if args.fp8_backend == "te":
         autocast = te_backend.setup(args)  # Transformer Engine's layers compute in FP8 only inside its autocast
     else:
-        use_compile = torchao_fp8.torchao_settings(args, device, use_compile)
+        torchao_fp8.check(args, device)  # refuses what torchao's FP8 kernels cannot run here
+        args.fp8_layers = args.fp8_layers or ("all" if args.fp8_emulate else "fast")  # emulated: no speed to lose
+        # Inductor would compile emulated casts to FP8 into Triton kernels, which need compute capability 8.9.
+        use_compile = use_compile and not (args.fp8_emulate and device.type == "cuda")
+        # Inductor may fuse an RMSNorm into a rowwise cast without rounding to bf16 between: NaNs (pytorch#150859).
+        if args.fp8_recipe == "rowwise" and use_compile:
+            torch._inductor.config.emulate_precision_casts = True
     if args.cpu_offload and device.type != "cuda":
         raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
     # Three dimensions. tp, the inner one, groups --tp-size consecutive ranks: a node's GPUs, whose NVLink
