@@ -23,33 +23,24 @@ from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
 
 class Float8Stats:
-    """`start()` before a step's forward, and `stop()` after its backward, return the statistics of that
-    step. Hooks exist only between the two, and compiled code runs eagerly there (compiled graphs have
-    no hooks), so steps without statistics cost nothing.
+    """`start(step=...)` before a step's forward, and `stop()` after its backward, return the statistics
+    of that step, if it is one of every `every` steps (none with 0). Hooks exist only between the two,
+    and compiled code runs eagerly there (compiled graphs have no hooks), so steps without statistics
+    cost nothing.
 
-    `group`: the ranks whose activations and gradients are combined (None: all), or `reduce=False`
-    for each replica's own. A split tensor is always measured whole: the fractions are the same
-    whichever ranks add up their counts."""
+    `reduce`: the activations and gradients of all ranks combined, or (False) each replica's own. A
+    split tensor is always measured whole: the fractions are the same whichever ranks add up their counts."""
 
-    def __init__(
-        self, model: torch.nn.Module, group: dist.ProcessGroup | None, device, reduce: bool = True, every: int = 0
-    ):
+    def __init__(self, model: torch.nn.Module, device, *, reduce: bool = True, every: int = 1):
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
-        self.group, self.device, self.reduce, self.every = group, device, reduce, every
+        self.device, self.reduce, self.every = device, reduce, every
         self.handles, self.values, self.step = [], {}, None
 
-    def begin(self, step: int) -> None:
-        """`start()`, if optimizer step number `step` is one of every `every` steps."""
-        if self.every and step % self.every == 0:
-            self.step = step
-            self.start()
-
-    def end(self) -> dict[str, float] | None:
-        """`stop()`'s statistics with their "step", after a step that `begin` started; otherwise None."""
-        step, self.step = self.step, None
-        return None if step is None else {"step": step, **self.stop()}
-
-    def start(self) -> None:
+    def start(self, *, step: int) -> None:
+        """Measures the weights and hooks the layers, if optimizer step number `step` is due."""
+        if not self.every or step % self.every:
+            return
+        self.step = step
         torch.compiler.set_stance("force_eager")
         self.values = {}
         for name, module in self.layers.items():
@@ -63,7 +54,11 @@ class Float8Stats:
             self.handles.append(module.register_forward_pre_hook(self._input_hook(name)))
             self.handles.append(module.register_forward_hook(self._output_hook(name), prepend=True))
 
-    def stop(self) -> dict[str, float]:
+    def stop(self) -> dict[str, float] | None:
+        """The statistics of the step `start` hooked, with its "step"; None after any other step."""
+        step, self.step = self.step, None
+        if step is None:
+            return None
         for handle in self.handles:
             handle.remove()
         self.handles = []
@@ -72,10 +67,10 @@ class Float8Stats:
         stats = torch.stack([self.values[key] for key in keys])  # one row per tensor: amax, underflow, saturated, count
         if self.reduce:
             amax, counts = stats[:, :1].contiguous(), stats[:, 1:].contiguous()
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
             stats = torch.cat([amax, counts], dim=1)
-        metrics = {}
+        metrics = {"step": step}
         for key, (amax, underflow, saturated, count) in zip(keys, stats.tolist()):
             metrics[f"fp8/{key}_amax"] = amax
             metrics[f"fp8/{key}_underflow"] = underflow / max(count, 1)

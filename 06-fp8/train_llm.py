@@ -233,7 +233,7 @@ def main():
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
     async_saves = common.AsyncCheckpoints(args.dist_timeout, device, optimizer) if args.async_checkpoints else None
-    fp8_stats = Float8Stats(model, None, device, reduce=args.fp8_stats_group == "world", every=args.fp8_stats_every)
+    fp8_stats = Float8Stats(model, device, reduce=args.fp8_stats_group == "world", every=args.fp8_stats_every)
     postfix = {}  # what the progress bar shows after the counts
     running_loss = state["running_loss"]
     steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
@@ -265,9 +265,9 @@ def main():
             batches = iter(dataloader)
 
             for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
-                fp8_stats.begin(state["global_step"] + 1)  # a step with statistics runs eagerly, with hooks
+                fp8_stats.start(step=state["global_step"] + 1)  # a step with statistics runs eagerly, with hooks
                 loss, grad_norm = train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device)
-                if fp8_metrics := fp8_stats.end():
+                if fp8_metrics := fp8_stats.stop():
                     common.log_metrics(fp8_metrics, metrics_file)
 
                 state["global_step"] += 1

@@ -33,9 +33,9 @@ def model_and_input(fp8_all_gather: bool = False):
     return convert_to_float8_training(model, config=config), x
 
 
-def statistics(model, x, group=None, reduce=False) -> dict:
-    stats = Float8Stats(model, group, torch.device("cpu"), reduce)
-    stats.start()
+def statistics(model, x, reduce=False) -> dict:
+    stats = Float8Stats(model, torch.device("cpu"), reduce=reduce)
+    stats.start(step=1)
     model(x).pow(2).sum().backward()
     return stats.stop()
 

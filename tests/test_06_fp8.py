@@ -190,9 +190,9 @@ def test_statistics_count_what_underflows():
     model = convert_to_float8_training(
         torch.nn.Sequential(torch.nn.Linear(16, 16)), config=Float8LinearConfig(emulate=True)
     )
-    stats = Float8Stats(model, group=None, device=torch.device("cpu"), reduce=False)
+    stats = Float8Stats(model, torch.device("cpu"), reduce=False)
     x = torch.tensor([448.0, 1e-4, 0.01, 0.0] * 4).repeat(2, 1)
-    stats.start()
+    stats.start(step=1)
     model(x).sum().backward()
     metrics = stats.stop()
     assert metrics["fp8/0/input_amax"] == 448.0
