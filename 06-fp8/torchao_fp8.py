@@ -1,12 +1,16 @@
-"""torchao's float8 training around chapter 06's script: what its kernels refuse, the line that says which
-layers compute in FP8, and the weights a checkpoint holds."""
+"""torchao's float8 training around chapter 06's script: what its kernels refuse, its TP styles for the
+layers in FP8, the line that says which layers compute in FP8, and the weights a checkpoint holds."""
 
 import collections
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 from torchao.float8.float8_linear import Float8Linear
+from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+from common import tp
 
 
 def check(args, device) -> None:
@@ -36,6 +40,37 @@ def check(args, device) -> None:
         # Inductor compiles the emulated casts to FP8 into Triton kernels, which need compute capability 8.9.
         raise SystemExit("error: --fp8-emulate on this GPU cannot be compiled (Triton casts to FP8 on "
                          "compute capability 8.9 or newer only): pass --no-compile")
+
+
+def float8_styles(block_plan: dict, block) -> dict:
+    """torchao's float8 twins of a TP plan's styles, with the same arguments, for the layers of `block`
+    in FP8: they cast a layer's input to FP8 before all-gathering it, and the gradient of its output.
+    A module's input (PrepareModuleInput) is cast only where every layer taking it whole (its colwise
+    layers) is in FP8: the float8 styles refuse a plain nn.Linear."""
+
+    def in_fp8(name):
+        return tp.has_module(block, name) and isinstance(block.get_submodule(name), Float8Linear)
+
+    twins = {}
+    for name, style in block_plan.items():
+        if type(style) in (ColwiseParallel, RowwiseParallel) and in_fp8(name):
+            float8 = Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
+            twins[name] = float8(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
+        elif type(style) is PrepareModuleInput:
+            fed = [n for n, s in block_plan.items() if n.startswith(f"{name}.") and type(s) is ColwiseParallel]
+            if all(in_fp8(n) for n in fed):
+                twins[name] = PrepareFloat8ModuleInput(
+                    input_layouts=style.input_layouts,
+                    desired_input_layouts=style.desired_input_layouts,
+                    input_kwarg_layouts=style.input_kwarg_layouts if style.with_kwargs else None,
+                    desired_input_kwarg_layouts=style.desired_input_kwarg_layouts if style.with_kwargs else None,
+                    use_local_output=style.use_local_output,
+                )
+    return twins
 
 
 def fp8_summary(model, blocks, filtered: str) -> tuple[int, str]:

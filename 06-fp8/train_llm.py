@@ -56,12 +56,6 @@ from common.fp8 import fp8_filter
 
 # After common, which quiets torchao's import-time lines about kernels that no chapter uses.
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
-from torchao.float8.float8_linear import Float8Linear
-from torchao.float8.float8_tensor_parallel import (
-    Float8ColwiseParallel,
-    Float8RowwiseParallel,
-    PrepareFloat8ModuleInput,
-)
 
 # The chapter's own modules, beside this script: torchao's helpers, FP8 statistics, Transformer Engine.
 import te_backend
@@ -473,25 +467,7 @@ def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
 def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
     """Splits each block's matmuls over the tp ranks (Megatron-LM's tensor parallel), its norms over the
     tokens (sequence parallel), the embedding and output layer over the vocabulary (README: "How it works").
-    The plan names Llama's modules, which Mistral, Qwen and others share; HF passes attention its input by keyword.
-
-    With one FP8 scale per tensor, torchao's float8 styles cast the blocks' inputs to FP8 before
-    all-gathering them: half the bytes. (Per-row scales cannot be computed on a slice of the tokens.)
-    Only for the layers in FP8, and an input only where every layer it feeds is: the float8 styles
-    refuse a plain nn.Linear. The blocks are alike: the first one's layers say for all.
-    """
-
-    def style(plain, float8, *layers):
-        block = blocks[0]
-        in_fp8 = all(tp.has_module(block, n) and isinstance(block.get_submodule(n), Float8Linear) for n in layers)
-        return float8 if fp8_all_gather and in_fp8 else plain
-
-    qkv, gate_up = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["mlp.gate_proj", "mlp.up_proj"]
-    prepare_attention = style(PrepareModuleInput, PrepareFloat8ModuleInput, *qkv)
-    prepare_mlp = style(PrepareModuleInput, PrepareFloat8ModuleInput, *gate_up)
-    colwise = {name: style(ColwiseParallel, Float8ColwiseParallel, name) for name in qkv + gate_up}
-    o_down = ["self_attn.o_proj", "mlp.down_proj"]
-    rowwise = {name: style(RowwiseParallel, Float8RowwiseParallel, name) for name in o_down}
+    The plan names Llama's modules, which Mistral, Qwen and others share; HF passes attention its input by keyword."""
     root_plan = {
         # The embedding's output is the first residual stream: split over the tokens. It stays a
         # DTensor (use_local_output=False), whose shape HF reads as the full sequence's.
@@ -503,19 +479,23 @@ def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
     block_plan = {
-        "self_attn": prepare_attention(
+        "self_attn": PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
         ),
-        "self_attn.q_proj": colwise["self_attn.q_proj"](),
-        "self_attn.k_proj": colwise["self_attn.k_proj"](),
-        "self_attn.v_proj": colwise["self_attn.v_proj"](),
-        "self_attn.o_proj": rowwise["self_attn.o_proj"](output_layouts=Shard(1), use_local_output=False),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "post_attention_layernorm": SequenceParallel(),
-        "mlp": prepare_mlp(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "mlp.gate_proj": colwise["mlp.gate_proj"](),
-        "mlp.up_proj": colwise["mlp.up_proj"](),
-        "mlp.down_proj": rowwise["mlp.down_proj"](output_layouts=Shard(1), use_local_output=False),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
     }
+    if fp8_all_gather:
+        # The layers in FP8 take torchao's float8 styles: their inputs are cast to FP8 before TP all-gathers
+        # them, half the bytes, and so are the gradients of their outputs. The blocks are alike: the first says.
+        block_plan |= torchao_fp8.float8_styles(block_plan, blocks[0])
     # The norms other families add; and any module the plan does not name, refused (common/tp.py).
     block_plan |= tp.norm_plan(blocks[0], model.config)
     tp.check_plan(model, blocks, root_plan, block_plan)
