@@ -55,6 +55,7 @@ def float8_styles(block_plan: dict, block) -> dict:
     for name, style in block_plan.items():
         if type(style) in (ColwiseParallel, RowwiseParallel) and in_fp8(name):
             float8 = Float8ColwiseParallel if type(style) is ColwiseParallel else Float8RowwiseParallel
+            # The arguments, from what the plain style keeps of them (each layout in a 1-tuple).
             twins[name] = float8(
                 input_layouts=style.input_layouts[0],
                 output_layouts=style.output_layouts[0],
