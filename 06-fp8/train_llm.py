@@ -51,16 +51,16 @@ from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
 import common
-from common import fp8, tp
+from common import tp
+from common.fp8 import fp8_filter
 
 # After common, which quiets torchao's import-time lines about kernels that no chapter uses.
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
-from torchao.float8.float8_linear import Float8Linear
-from torchao.float8.float8_tensor_parallel import (
-    Float8ColwiseParallel,
-    Float8RowwiseParallel,
-    PrepareFloat8ModuleInput,
-)
+
+# The chapter's own modules, beside this script: torchao's helpers, FP8 statistics, Transformer Engine.
+import te_backend
+import torchao_fp8
+from fp8_stats import Float8Stats
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +97,15 @@ def main():
     autocast = functools.partial(torch.autocast, device.type, enabled=False)
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
     if args.fp8_backend == "te":
-        # Transformer Engine's layers compute in FP8 only inside its autocast.
-        te, recipe = fp8.transformer_engine(args)
-        autocast = functools.partial(te.autocast, recipe=recipe)
+        autocast = te_backend.setup(args)  # Transformer Engine's layers compute in FP8 only inside its autocast
     else:
-        use_compile = fp8.torchao_settings(args, device, use_compile)
+        torchao_fp8.check(args, device)  # refuses what torchao's FP8 kernels cannot run here
+        args.fp8_layers = args.fp8_layers or ("all" if args.fp8_emulate else "fast")  # emulated: no speed to lose
+        # Inductor would compile emulated casts to FP8 into Triton kernels, which need compute capability 8.9.
+        use_compile = use_compile and not (args.fp8_emulate and device.type == "cuda")
+        # Inductor may fuse an RMSNorm into a rowwise cast without rounding to bf16 between: NaNs (pytorch#150859).
+        if args.fp8_recipe == "rowwise" and use_compile:
+            torch._inductor.config.emulate_precision_casts = True
     if args.cpu_offload and device.type != "cuda":
         raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
     # Three dimensions. tp, the inner one, groups --tp-size consecutive ranks: a node's GPUs, whose NVLink
@@ -226,7 +230,7 @@ def main():
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
     async_saves = common.AsyncCheckpoints(args.dist_timeout, device, optimizer) if args.async_checkpoints else None
-    fp8_stats = fp8.Float8Stats(model, None, device, reduce=args.fp8_stats_group == "world", every=args.fp8_stats_every)
+    fp8_stats = Float8Stats(model, device, reduce=args.fp8_stats_group == "world", every=args.fp8_stats_every)
     postfix = {}  # what the progress bar shows after the counts
     running_loss = state["running_loss"]
     steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
@@ -258,9 +262,9 @@ def main():
             batches = iter(dataloader)
 
             for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
-                fp8_stats.begin(state["global_step"] + 1)  # a step with statistics runs eagerly, with hooks
+                fp8_stats.start(step=state["global_step"] + 1)  # a step with statistics runs eagerly, with hooks
                 loss, grad_norm = train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device)
-                if fp8_metrics := fp8_stats.end():
+                if fp8_metrics := fp8_stats.stop():
                     common.log_metrics(fp8_metrics, metrics_file)
 
                 state["global_step"] += 1
@@ -402,11 +406,11 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
     # scale per tensor, FSDP all-gathers torchao's weights in FP8: half the bytes of bf16.
     fp8_all_gather = args.fp8_backend == "torchao" and args.fp8_recipe == "tensorwise"
     if args.fp8_backend == "te":
-        fp8.convert_to_te(blocks)
+        te_backend.convert(blocks)
     else:
         apply_float8(blocks, args, fp8_all_gather)
     # A run "in FP8" with no layer in FP8 would only be slower: refused, and otherwise said what is in FP8.
-    in_fp8, summary = fp8.fp8_summary(model, blocks, fp8.fp8_left_out(args))
+    in_fp8, summary = torchao_fp8.fp8_summary(model, blocks, torchao_fp8.fp8_left_out(args))
     if not in_fp8:
         raise SystemExit(f"error: no layer would compute in FP8: {summary}")
     logger.info(summary)
@@ -441,7 +445,7 @@ def apply_float8(blocks, args, fp8_all_gather):
         emulate=args.fp8_emulate,
         enable_fsdp_float8_all_gather=fp8_all_gather,
     )
-    keep = fp8.fp8_filter(args.fp8_recipe, args.tp_size, fast_only=args.fp8_layers == "fast")
+    keep = fp8_filter(args.fp8_recipe, args.tp_size, fast_only=args.fp8_layers == "fast")
     for block in blocks:
         convert_to_float8_training(block, config=config, module_filter_fn=keep)
 
@@ -466,25 +470,7 @@ def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
 def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
     """Splits each block's matmuls over the tp ranks (Megatron-LM's tensor parallel), its norms over the
     tokens (sequence parallel), the embedding and output layer over the vocabulary (README: "How it works").
-    The plan names Llama's modules, which Mistral, Qwen and others share; HF passes attention its input by keyword.
-
-    With one FP8 scale per tensor, torchao's float8 styles cast the blocks' inputs to FP8 before
-    all-gathering them: half the bytes. (Per-row scales cannot be computed on a slice of the tokens.)
-    Only for the layers in FP8, and an input only where every layer it feeds is: the float8 styles
-    refuse a plain nn.Linear. The blocks are alike: the first one's layers say for all.
-    """
-
-    def style(plain, float8, *layers):
-        block = blocks[0]
-        in_fp8 = all(tp.has_module(block, n) and isinstance(block.get_submodule(n), Float8Linear) for n in layers)
-        return float8 if fp8_all_gather and in_fp8 else plain
-
-    qkv, gate_up = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["mlp.gate_proj", "mlp.up_proj"]
-    prepare_attention = style(PrepareModuleInput, PrepareFloat8ModuleInput, *qkv)
-    prepare_mlp = style(PrepareModuleInput, PrepareFloat8ModuleInput, *gate_up)
-    colwise = {name: style(ColwiseParallel, Float8ColwiseParallel, name) for name in qkv + gate_up}
-    o_down = ["self_attn.o_proj", "mlp.down_proj"]
-    rowwise = {name: style(RowwiseParallel, Float8RowwiseParallel, name) for name in o_down}
+    The plan names Llama's modules, which Mistral, Qwen and others share; HF passes attention its input by keyword."""
     root_plan = {
         # The embedding's output is the first residual stream: split over the tokens. It stays a
         # DTensor (use_local_output=False), whose shape HF reads as the full sequence's.
@@ -496,19 +482,23 @@ def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
     block_plan = {
-        "self_attn": prepare_attention(
+        "self_attn": PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
         ),
-        "self_attn.q_proj": colwise["self_attn.q_proj"](),
-        "self_attn.k_proj": colwise["self_attn.k_proj"](),
-        "self_attn.v_proj": colwise["self_attn.v_proj"](),
-        "self_attn.o_proj": rowwise["self_attn.o_proj"](output_layouts=Shard(1), use_local_output=False),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "post_attention_layernorm": SequenceParallel(),
-        "mlp": prepare_mlp(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "mlp.gate_proj": colwise["mlp.gate_proj"](),
-        "mlp.up_proj": colwise["mlp.up_proj"](),
-        "mlp.down_proj": rowwise["mlp.down_proj"](output_layouts=Shard(1), use_local_output=False),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
     }
+    if fp8_all_gather:
+        # The layers in FP8 take torchao's float8 styles: their inputs are cast to FP8 before TP all-gathers
+        # them, half the bytes, and so are the gradients of their outputs. The blocks are alike: the first says.
+        block_plan |= torchao_fp8.float8_styles(block_plan, blocks[0])
     # The norms other families add; and any module the plan does not name, refused (common/tp.py).
     block_plan |= tp.norm_plan(blocks[0], model.config)
     tp.check_plan(model, blocks, root_plan, block_plan)
@@ -574,7 +564,7 @@ def export_hf(model, config, tokenizer, folder, dtype):
         return
     with torch.device("meta"):
         export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    weights = {name: value.to(dtype) for name, value in fp8.weights_only(full_state).items()}
+    weights = {name: value.to(dtype) for name, value in torchao_fp8.weights_only(full_state).items()}
     export_model.load_state_dict(weights, assign=True)
     export_model.tie_weights()  # converted one by one, tied weights became two tensors again
     export_model.save_pretrained(folder)
@@ -616,7 +606,7 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
         # Every rank writes its own shards, in parallel, and DCP records where each shard sits in the
         # full tensor: a job with another number of ranks can load them, resharded.
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        shards = {"model": fp8.weights_only(model_state), "optimizer": optimizer_state}
+        shards = {"model": torchao_fp8.weights_only(model_state), "optimizer": optimizer_state}
         if async_saves:
             async_saves.start(shards, tmp_dir, final_dir, state["global_step"], keep)
         else:
@@ -637,7 +627,7 @@ def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
     with common.loading(checkpoint):
         # DCP loads in place into this run's shards, whatever the number of ranks that saved them.
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        shards = {"model": fp8.weights_only(model_state), "optimizer": optimizer_state}
+        shards = {"model": torchao_fp8.weights_only(model_state), "optimizer": optimizer_state}
         dcp.load(shards, checkpoint_id=checkpoint)
         model_state.update(shards["model"])  # TE's (empty) extra state stays as the layers have it
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=shards["optimizer"])

@@ -5,6 +5,7 @@ In both, the outliers sit in rank 0's pieces: scaled by rank 1's own amax, its p
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,7 +14,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 
-from common.fp8 import Float8Stats
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "06-fp8"))  # chapter 06's own modules
+from fp8_stats import Float8Stats  # noqa: E402
 
 
 def model_and_input(fp8_all_gather: bool = False):
@@ -31,9 +33,9 @@ def model_and_input(fp8_all_gather: bool = False):
     return convert_to_float8_training(model, config=config), x
 
 
-def statistics(model, x, group=None, reduce=False) -> dict:
-    stats = Float8Stats(model, group, torch.device("cpu"), reduce)
-    stats.start()
+def statistics(model, x, reduce=False) -> dict:
+    stats = Float8Stats(model, torch.device("cpu"), reduce=reduce)
+    stats.start(step=1)
     model(x).pow(2).sum().backward()
     return stats.stop()
 

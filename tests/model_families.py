@@ -3,15 +3,14 @@
 for 3 steps with chapter 04's FSDP, and those named on the command line with chapter 05's FSDP x TP
 (tp 2) too, through the chapters' own apply_fsdp and apply_tp; rank 0 prints the losses as JSON."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import torch
 import transformers
 
-REPO = Path(__file__).resolve().parents[1]
+from tools.memory import load  # a chapter's script as a module
+
 VOCAB = 512
 WIDTHS = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -33,13 +32,6 @@ FAMILIES = {
 def config(family):
     cls, extra = FAMILIES[family]
     return cls(**{**WIDTHS, **extra})
-
-
-def load(chapter):
-    spec = importlib.util.spec_from_file_location(f"families_{chapter[:2]}", REPO / chapter / "train_llm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def train(family, mesh, tp):

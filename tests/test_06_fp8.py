@@ -20,6 +20,7 @@ from harness import (
 )
 
 CHAPTER = "06-fp8"
+sys.path.insert(0, str(REPO / CHAPTER))  # the chapter's own modules, imported as its script imports them
 STEPS = 12
 ARGS = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", "6", "--fp8-emulate"]
 STATS_ARGS = ["--fp8-stats-every", "4"]
@@ -184,14 +185,14 @@ def test_statistics_count_what_underflows():
     underflow; the exact zero is not counted."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from common.fp8 import Float8Stats
+    from fp8_stats import Float8Stats
 
     model = convert_to_float8_training(
         torch.nn.Sequential(torch.nn.Linear(16, 16)), config=Float8LinearConfig(emulate=True)
     )
-    stats = Float8Stats(model, group=None, device=torch.device("cpu"), reduce=False)
+    stats = Float8Stats(model, torch.device("cpu"), reduce=False)
     x = torch.tensor([448.0, 1e-4, 0.01, 0.0] * 4).repeat(2, 1)
-    stats.start()
+    stats.start(step=1)
     model(x).sum().backward()
     metrics = stats.stop()
     assert metrics["fp8/0/input_amax"] == 448.0
@@ -294,22 +295,21 @@ def test_mfu_counts_transformer_engines_layers(fake_te):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from common import DEFAULT_MODEL, flops_per_token, transformer_blocks
-    from common.fp8 import convert_to_te
+    from te_backend import convert
 
     config = AutoConfig.from_pretrained(DEFAULT_MODEL)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     before = flops_per_token(model, config, 128)
-    convert_to_te(transformer_blocks(model), fake_te)
+    convert(transformer_blocks(model))  # the stand-in, which fake_te imported
     assert sum(type(module) is fake_te.Linear for module in model.modules()) == len(FP8_LAYERS)
     assert flops_per_token(model, config, 128) == before
 
 
 def load_chapter():
-    spec = importlib.util.spec_from_file_location("chapter_06", REPO / CHAPTER / "train_llm.py")
-    chapter = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chapter)
-    return chapter
+    from tools.memory import load
+
+    return load(CHAPTER)
 
 
 def chapter_parser():
@@ -333,19 +333,19 @@ def chapter_parser():
     ids=["layout", "tokens"],
 )
 def test_transformer_engine_refuses_what_it_cannot_run(argv, message):
-    from common.fp8 import transformer_engine
+    from te_backend import setup
 
     with pytest.raises(SystemExit) as exit:
-        transformer_engine(chapter_parser().parse_args(["--fp8-backend", "te", *argv]))
+        setup(chapter_parser().parse_args(["--fp8-backend", "te", *argv]))
     assert str(exit.value.code) == message
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed here")
 def test_without_transformer_engine_it_says_how_to_install_it():
-    from common.fp8 import transformer_engine
+    from te_backend import setup
 
     with pytest.raises(SystemExit) as exit:
-        transformer_engine(chapter_parser().parse_args(["--fp8-backend", "te"]))
+        setup(chapter_parser().parse_args(["--fp8-backend", "te"]))
     assert str(exit.value.code).startswith("error: --fp8-backend te: Transformer Engine does not load (No module named")
     assert str(exit.value.code).endswith("pip install --no-build-isolation 'transformer_engine[pytorch]>=2.18'")
 
@@ -385,7 +385,7 @@ def test_emulated_matmuls_refuse_the_shapes_the_gpu_refuses():
     import scaled_mm_shapes
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from common.fp8 import torchao_settings
+    from torchao_fp8 import check
 
     layer = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(32, 64)), config=Float8LinearConfig(emulate=True))
     scaled_mm_shapes.install()
@@ -397,7 +397,7 @@ def test_emulated_matmuls_refuse_the_shapes_the_gpu_refuses():
         scaled_mm_shapes.uninstall()
     args = chapter_parser().parse_args(["--fp8-emulate", "--batch-size", "3", "--seq-length", "1000"])
     with pytest.raises(SystemExit) as exit:
-        torchao_settings(args, torch.device("cpu"), use_compile=False)
+        check(args, torch.device("cpu"))
     assert str(exit.value.code) == (
         "error: FP8 matmuls need a multiple of 16 tokens per micro-batch: --batch-size 3 x --seq-length 1000 "
         "is 3000; change one of them"
@@ -406,23 +406,16 @@ def test_emulated_matmuls_refuse_the_shapes_the_gpu_refuses():
 
 def test_what_compiling_fp8_needs():
     """Emulated FP8 on a GPU without FP8 (an A100) runs eagerly: inductor's FP8 casts would not run
-    there; asked to compile, it refuses. Rowwise scales compile with eager's rounding (pytorch#150859)."""
-    from torch._inductor import config as inductor_config
-
-    from common.fp8 import torchao_settings
+    there; asked to compile, it refuses. (Not compiling there, and compiling rowwise scales with eager's
+    rounding, pytorch#150859, are assignments in main that only a GPU reaches.)"""
+    from torchao_fp8 import check
 
     parse = chapter_parser().parse_args
     a100 = torch.device("cuda", 0)  # only its type is read
-    assert torchao_settings(parse(["--fp8-emulate"]), a100, use_compile=True) is False
+    check(parse(["--fp8-emulate"]), a100)
     with pytest.raises(SystemExit, match="--fp8-emulate on this GPU cannot be compiled .* pass --no-compile"):
-        torchao_settings(parse(["--fp8-emulate", "--compile"]), a100, use_compile=True)
-    assert torchao_settings(parse(["--fp8-emulate"]), torch.device("cpu"), use_compile=True) is True
-    # The setting is the process's, as in a chapter's run; patched here so that it is restored after.
-    with inductor_config.patch(emulate_precision_casts=False):
-        torchao_settings(parse(["--fp8-emulate", "--fp8-recipe", "tensorwise"]), torch.device("cpu"), use_compile=True)
-        assert inductor_config.emulate_precision_casts is False
-        torchao_settings(parse(["--fp8-emulate", "--fp8-recipe", "rowwise"]), torch.device("cpu"), use_compile=True)
-        assert inductor_config.emulate_precision_casts is True
+        check(parse(["--fp8-emulate", "--compile"]), a100)
+    check(parse(["--fp8-emulate", "--compile"]), torch.device("cpu"))
 
 
 @pytest.mark.parametrize(
@@ -441,7 +434,7 @@ def test_layers_go_to_fp8_by_the_slice_each_gpu_multiplies(recipe, tp, in_fp8):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from common import transformer_blocks
-    from common.fp8 import fp8_summary
+    from torchao_fp8 import fp8_summary
 
     config = AutoConfig.from_pretrained(REPO / "tools" / "model_shapes" / "llama-3.1-8b")
     config.num_hidden_layers = 2

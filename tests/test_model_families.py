@@ -82,12 +82,10 @@ def test_chapter_06_says_what_computes_in_fp8(family, in_fp8, left_out):
     """Every linear layer of the blocks whose dimensions FP8 can multiply (--fp8-layers all), and a line
     for the rest: GPT-2's Conv1D and the routed experts of an MoE stay in high precision, named; with
     no layer in FP8 (GPT-2) the chapter stops there."""
-    from common.fp8 import fp8_summary
-
     model, blocks = meta_model(family)
     chapter = load("06-fp8")
     chapter.apply_float8(blocks, chapter.get_parser().parse_args(["--fp8-emulate", "--fp8-layers", "all"]), False)
-    count, summary = fp8_summary(model, blocks, "dimensions not multiples of 16")
+    count, summary = chapter.torchao_fp8.fp8_summary(model, blocks, "dimensions not multiples of 16")
     assert count == in_fp8 and left_out in summary, summary
 
 

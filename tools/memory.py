@@ -15,6 +15,7 @@ planner is asked for the eager step too. Chapter 04's step (FSDP, HSDP), or chap
 import argparse
 import functools
 import importlib.util
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -27,6 +28,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load(chapter: str):
+    """The chapter's script as a module. Its folder goes on sys.path, as when the script runs: chapter 06
+    imports its own modules from there."""
+    if str(REPO / chapter) not in sys.path:
+        sys.path.insert(0, str(REPO / chapter))
     spec = importlib.util.spec_from_file_location(f"memory_{chapter[:2]}", REPO / chapter / "train_llm.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
