@@ -392,17 +392,9 @@ def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
 
 def get_parser():
     parser = common.base_parser(__doc__, __file__)
-    parser.add_argument(
-        "--dist-timeout",
-        type=common.positive_float,
-        default=10,
-        help="minutes a collective may wait before the job fails",
-    )
-    parser.add_argument(
-        "--node-local-cache",
-        action="store_true",
-        help="HF_HOME is on each node's own disk: local rank 0 of every node prepares the data",
-    )
+    add = parser.add_argument
+    add("--dist-timeout", type=common.positive_float, default=10, help="minutes a collective may wait, then fails")
+    add("--node-local-cache", action="store_true", help="HF_HOME is on each node's disk: each node prepares the data")
     return parser
 
 

@@ -72,8 +72,6 @@ def main():
     # FSDP's mixed precision casts the weights for the matmuls itself: no autocast.
     autocast = functools.partial(torch.autocast, device.type, enabled=False)
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
-    if args.cpu_offload and device.type != "cuda":
-        raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
     # FSDP shards every tensor over --shard-size ranks (default: all). Fewer (a node's GPUs) is HSDP:
     # each group of them holds a full replica, the blocks' all-gathers and reduce-scatters stay inside
     # the group, and only an all-reduce of each rank's gradient shard crosses between the groups.
@@ -108,14 +106,12 @@ def main():
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # --- 4. Model ---
-    # Only rank 0 ever holds the whole model, and only on the CPU, built as in the chapters before (the same
-    # seed gives the same weights). The others wait for it on the job's store (rank0_first), for as long as a
-    # download takes, not in a collective that would time out.
+    # Only rank 0 ever holds the whole model, on the CPU, built as before (the same seed, the same weights);
+    # the others wait on the job's store (rank0_first) for as long as a download takes, not in a collective.
     torch.manual_seed(args.seed)
     with common.rank0_first():
         full_model = build_model(args, config) if rank == 0 else None
-    # Every rank builds the structure on the meta device (shapes, no memory), shards it, and
-    # allocates only its own shards on its device.
+    # Every rank builds the structure on the meta device (shapes, no memory) and allocates only its shards.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if args.activation_checkpointing:
@@ -385,6 +381,8 @@ def init_distributed(args, device_type, local_rank):
         backend = "cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl"
         dist.init_process_group(backend, timeout=timedelta(minutes=args.dist_timeout), device_id=device)
     else:
+        if args.cpu_offload:
+            raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
     return device
@@ -489,22 +487,12 @@ def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
 
 def get_parser():
     parser = common.base_parser(__doc__, __file__)
-    parser.add_argument(
-        "--dist-timeout",
-        type=common.positive_float,
-        default=10,
-        help="minutes a collective may wait before the job fails",
-    )
-    parser.add_argument(
-        "--node-local-cache",
-        action="store_true",
-        help="HF_HOME is on each node's own disk: local rank 0 of every node prepares the data",
-    )
-    parser.add_argument(
-        "--shard-size", type=common.positive_int, help="ranks that shard the model (default: all; fewer: HSDP)"
-    )
-    parser.add_argument("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
-    parser.add_argument("--async-checkpoints", action="store_true", help="write checkpoints beside training")
+    add = parser.add_argument
+    add("--dist-timeout", type=common.positive_float, default=10, help="minutes a collective may wait, then fails")
+    add("--node-local-cache", action="store_true", help="HF_HOME is on each node's disk: each node prepares the data")
+    add("--shard-size", type=common.positive_int, help="ranks that shard the model (default: all; fewer: HSDP)")
+    add("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
+    add("--async-checkpoints", action="store_true", help="write checkpoints beside training")
     return parser
 
 

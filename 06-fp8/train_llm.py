@@ -79,9 +79,8 @@ def main():
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     # Rank 0 speaks for the job; the others only report warnings and errors. Across nodes, the
     # host name says where a rank runs: ranks are not assigned in the order of a host list.
-    common.setup_logging(
-        prefix=f"[{socket.gethostname()} rank={rank}] ", level=logging.INFO if rank == 0 else logging.WARNING
-    )
+    prefix = f"[{socket.gethostname()} rank={rank}] "
+    common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
     logger.info(args)
     # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
@@ -101,13 +100,10 @@ def main():
     else:
         torchao_fp8.check(args, device)  # refuses what torchao's FP8 kernels cannot run here
         args.fp8_layers = args.fp8_layers or ("all" if args.fp8_emulate else "fast")  # emulated: no speed to lose
-        # Inductor would compile emulated casts to FP8 into Triton kernels, which need compute capability 8.9.
-        use_compile = use_compile and not (args.fp8_emulate and device.type == "cuda")
+        use_compile = use_compile and not (args.fp8_emulate and device.type == "cuda")  # Triton's FP8 casts need sm89
         # Inductor may fuse an RMSNorm into a rowwise cast without rounding to bf16 between: NaNs (pytorch#150859).
         if args.fp8_recipe == "rowwise" and use_compile:
             torch._inductor.config.emulate_precision_casts = True
-    if args.cpu_offload and device.type != "cuda":
-        raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
     # Three dimensions. tp, the inner one, groups --tp-size consecutive ranks: a node's GPUs, whose NVLink
     # carries the collectives TP runs in every block. Around it, chapter 04's (replicate, shard) FSDP.
     if world_size % args.tp_size:
@@ -152,24 +148,19 @@ def main():
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # --- 4. Model ---
-    # Only rank 0 ever holds the whole model, and only on the CPU: built there as in the chapters
-    # before (so the same seed gives the same weights), or loaded with --from-pretrained.
+    # Only rank 0 ever holds the whole model, on the CPU, built as before (the same seed, the same weights);
+    # the others wait on the job's store (rank0_first) for as long as a download takes, not in a collective.
     torch.manual_seed(args.seed)
-    full_model = None
-    try:
-        # Rank 0 alone builds or loads it (a first run downloads): the others wait on the job's store,
-        # for as long as it takes (rank0_first), not in a collective that would time out.
-        with common.rank0_first():
-            if rank == 0 and args.from_pretrained:
-                full_model = AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
-            elif rank == 0:
-                full_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    except OSError as err:
-        raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
-    # Every rank builds the structure on the meta device (shapes, no memory), shards it, and
-    # allocates only its own shards on its device.
+    with common.rank0_first():
+        full_model = build_model(args, config) if rank == 0 else None
+    # Every rank builds the structure on the meta device (shapes, no memory) and allocates only its shards.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if args.activation_checkpointing:
+        # Each block keeps only its input (selective: and its matmuls' and attention's outputs); the rest
+        # is recomputed during backward.
+        options = common.checkpointing_options(args.activation_checkpointing)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     # Found once, now: fully_shard changes each block's class, and then the names would not match.
     blocks = common.transformer_blocks(model)
     parallelize(model, blocks, mesh, args, dtype, use_compile)
@@ -214,8 +205,7 @@ def main():
         state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
         common.check_resume(checkpoint, state, layout)
         logger.info(f"Resumed from {checkpoint} at step {state['global_step']}")
-    # With FP8 all-gathers, the first step's FP8 weight scales, as after every optimizer step: one
-    # all-reduce for all weights (without it, FSDP's all-gather reduces each weight's amax on its own).
+    # The first step's FP8 weight scales for FSDP's FP8 all-gathers, one all-reduce for all, as after every step.
     precompute_float8_dynamic_scale_for_fsdp(model)
 
     # --- 7. Train ---
@@ -378,6 +368,17 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
     return step_loss, grad_norm
 
 
+def build_model(args, config):
+    """The model in fp32 on the CPU: from the config, with random weights drawn from the seed, or with
+    --from-pretrained the published weights (a first run downloads them)."""
+    if not args.from_pretrained:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        return AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
+    except OSError as err:
+        raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
+
+
 def send_full_weights(model, full_model, device):
     """Rank 0's full weights (`full_model`, None on the other ranks), sent tensor by tensor into every
     rank's shards of `model`."""
@@ -401,7 +402,7 @@ def send_full_weights(model, full_model, device):
 
 def parallelize(model, blocks, mesh, args, dtype, use_compile):
     """What the chapter does to the model, in the order it must be done (torchtitan's parallelize_llama
-    is the model): FP8, tensor parallel, activation checkpointing, compile, then FSDP."""
+    is the model; main() has switched on activation checkpointing): FP8, tensor parallel, compile, then FSDP."""
     # FP8 first: TP's float8 styles and FSDP's FP8 all-gathers act on the layers it converted. With one
     # scale per tensor, FSDP all-gathers torchao's weights in FP8: half the bytes of bf16.
     fp8_all_gather = args.fp8_backend == "torchao" and args.fp8_recipe == "tensorwise"
@@ -418,11 +419,6 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
     if args.tp_size > 1:
         # (gloo cannot send FP8 bytes: on the CPU, inputs are all-gathered first, then cast, to the same numbers.)
         apply_tp(model, blocks, mesh["tp"], fp8_all_gather and mesh.device_type == "cuda")
-    if args.activation_checkpointing:
-        # Each block keeps only its input (selective: and its matmuls' and attention's outputs); the rest
-        # is recomputed during backward.
-        options = common.checkpointing_options(args.activation_checkpointing)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     if use_compile:
         # Each block compiled on its own: FSDP's hooks between blocks stay outside the compiled code.
         # Whole, or not at all (fullgraph): a graph break would silently split a block into pieces, each
@@ -531,6 +527,8 @@ def init_distributed(args, device_type, local_rank):
         backend = "cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl"
         dist.init_process_group(backend, timeout=timedelta(minutes=args.dist_timeout), device_id=device)
     else:
+        if args.cpu_offload:
+            raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
     return device
@@ -638,44 +636,24 @@ def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
 
 def get_parser():
     parser = common.base_parser(__doc__, __file__)
-    parser.add_argument(
-        "--dist-timeout",
-        type=common.positive_float,
-        default=10,
-        help="minutes a collective may wait before the job fails",
-    )
-    parser.add_argument(
-        "--node-local-cache",
-        action="store_true",
-        help="HF_HOME is on each node's own disk: local rank 0 of every node prepares the data",
-    )
-    parser.add_argument(
-        "--tp-size", type=common.positive_int, default=1, help="ranks that split each layer (a node's GPUs, or fewer)"
-    )
-    parser.add_argument(
-        "--fp8-backend", choices=["torchao", "te"], default="torchao", help="torchao, or NVIDIA's Transformer Engine"
-    )
-    parser.add_argument(
-        "--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise", help="one scale per tensor, or per row"
-    )
-    parser.add_argument("--fp8-emulate", action="store_true", help="emulate FP8 matmuls where there are none (CPU)")
-    parser.add_argument(
+    add = parser.add_argument
+    add("--dist-timeout", type=common.positive_float, default=10, help="minutes a collective may wait, then fails")
+    add("--node-local-cache", action="store_true", help="HF_HOME is on each node's disk: each node prepares the data")
+    add("--tp-size", type=common.positive_int, default=1, help="ranks that split each layer (a node's GPUs or fewer)")
+    add("--fp8-backend", choices=["torchao", "te"], default="torchao", help="or NVIDIA's Transformer Engine")
+    add("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise", help="a scale per tensor or row")
+    add("--fp8-emulate", action="store_true", help="emulate FP8 matmuls where there are none (CPU)")
+    add(
         "--fp8-layers",
         choices=["fast", "all"],
         help="the blocks' linear layers that FP8 makes faster, by torchao's thresholds on each GPU's slice, or all "
         "that it can multiply (default: all with --fp8-emulate, fast otherwise)",
     )
-    parser.add_argument(
-        "--fp8-stats-every", type=common.non_negative_int, default=0, help="steps between FP8 statistics (0: none)"
-    )
-    parser.add_argument(
-        "--fp8-stats-group", choices=["world", "none"], default="world", help="all replicas' activations, or each one's"
-    )
-    parser.add_argument(
-        "--shard-size", type=common.positive_int, help="ranks that shard the model (default: all; fewer: HSDP)"
-    )
-    parser.add_argument("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
-    parser.add_argument("--async-checkpoints", action="store_true", help="write checkpoints beside training")
+    add("--fp8-stats-every", type=common.non_negative_int, default=0, help="steps between FP8 statistics (0: none)")
+    add("--fp8-stats-group", choices=["world", "none"], default="world", help="all replicas' activations or each one's")
+    add("--shard-size", type=common.positive_int, help="ranks that shard the model (default: all; fewer: HSDP)")
+    add("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
+    add("--async-checkpoints", action="store_true", help="write checkpoints beside training")
     return parser
 
 
