@@ -23,7 +23,7 @@ def check_tp_size(tp_size: int, config, seq_length: int) -> None:
 
 
 def norm_plan(block, config) -> dict:
-    """The plan for the norms other families put where Llama has none, or shape otherwise."""
+    """The plan for the norms whose names and shapes vary by family, Llama's input norm among them."""
     plan = {}
     # Around attention and the MLP (OLMo 2 has no input norm, Gemma 3 two more): on 1/tp of the tokens.
     for norm in ["input_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"]:

@@ -45,7 +45,11 @@ def unified_diff(old: str, new: str) -> str:
 
 
 def render_block(old: str, new: str) -> str:
-    return f"<!-- diff: {old} {new} -->\n```diff\n{unified_diff(old, new)}```\n<!-- end diff -->"
+    diff = unified_diff(old, new)
+    lines = [line for line in diff.splitlines() if not line.startswith(("+++", "---"))]
+    added, removed = sum(line.startswith("+") for line in lines), sum(line.startswith("-") for line in lines)
+    size = f"The diff: {added + removed} changed lines, {added} added and {removed} removed."
+    return f"<!-- diff: {old} {new} -->\n{size}\n\n```diff\n{diff}```\n<!-- end diff -->"
 
 
 def updated_readme(text: str) -> str:
