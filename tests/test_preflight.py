@@ -7,10 +7,10 @@ import subprocess
 from harness import REPO, chapter_env, free_port, torchrun
 from test_03_multi_node import wait_for_nodes
 
-# On 2 cores shared with other tests, a CPU rank's matmul or a gloo link measures up to 1.5x away from
-# the median of its peers from one run to the next (GPUs: a few percent): the tests name what is
-# below half the median, and make one rank's matmuls 10 times slower than that.
-ARGS = ["--device", "cpu", "--strict", "--threshold", "0.5"]
+# On 2 cores shared with other tests, a CPU rank's matmul or a gloo link measured as low as 62% of the
+# median of its peers in clean runs: the tests name what is below 40% of the median, and slow one
+# rank's matmuls to under a tenth of it.
+ARGS = ["--device", "cpu", "--strict", "--threshold", "0.4"]
 
 
 def findings(output: str) -> list[str]:
@@ -28,15 +28,9 @@ def test_clean_job_names_nothing_under_the_ssh_launcher(tmp_path):
     proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stdout[-5000:]
     assert "Preflight of 4 ranks on 2 node(s)" in proc.stdout
-    for row in [
-        "node 0 (",
-        "node 1 (",
-        "across nodes, local rank 0",
-        "across nodes, local rank 1",
-        "whole job, 4 ranks",
-    ]:
-        assert f"] {row}" in proc.stdout, row
-    assert "Verdict: every rank and link within 50% of the median of its peers." in proc.stdout
+    rows = ["node 0 (", "node 1 (", "across nodes, local rank 0", "across nodes, local rank 1", "whole job, 4 ranks"]
+    assert all(f"] {row}" in proc.stdout for row in rows), proc.stdout[-5000:]
+    assert "Verdict: no rank or link below 40% of the median of its peers, no setting that differs." in proc.stdout
     assert findings(proc.stdout) == []
 
 
@@ -44,16 +38,15 @@ def test_slow_rank_is_named_and_strict_fails(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=preflight"]
     command = [*torchrun("--nnodes=2", "--nproc-per-node=2", *rdzv), "-m", "tools.preflight", *ARGS]
-    env = chapter_env(tmp_path, faults={"FAULT_SLOW_MATMUL": 0.01, "FAULT_RANK": 3})  # 10 ms more per matmul of ~1
+    # Rank 3's matmuls take 10 ms more, the others' under 1 ms.
+    env = chapter_env(tmp_path, faults={"FAULT_SLOW_MATMUL": 0.01, "FAULT_RANK": 3})
     results = wait_for_nodes([(command, env)] * 2, timeout=240)
     output = "".join(log for _, log in results)
     assert all(code != 0 for code, _ in results), output[-5000:]
     # torchrun gives a node's ranks consecutive numbers, in the order of the nodes: rank 3 is node 1's second.
     named = findings(output)
     assert len(named) == 1, "\n".join([*named, output[output.find("Preflight of") :][:3000]])
-    assert re.match(
-        r"rank 3 on node 1 \(.+\), local rank 1: matmul at \d+% of the median rank's\. Likely a throttled", named[0]
-    )
+    assert re.match(r"rank 3 on node 1 \(.+\), local rank 1: matmul at \d+% of the median rank's\. Likely", named[0])
     assert "\n  rank 3, local rank 1 " in output  # its own row in the table
     assert "error: the preflight named 1 problem(s) above (--strict)" in output
 

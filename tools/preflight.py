@@ -37,9 +37,9 @@ CAUSES = {
     "copy": "its memory: ECC errors or remapped rows (nvidia-smi -q -d ECC,ROW_REMAPPER), or a throttled GPU",
     "node": "the GPUs of this node talk through PCIe or the host instead of NVLink: NCCL_P2P_DISABLE or "
     "NCCL_P2P_LEVEL set, an NVLink down (nvidia-smi nvlink --status, nvidia-smi topo -m), or a PCIe link "
-    "trained below its speed or width (nvidia-smi -q -d PCIE)",
-    "across": "the network of these GPUs' NICs: InfiniBand not used (NCCL falls back to TCP: NCCL_DEBUG=INFO "
-    "says NET/Socket instead of NET/IB), a port down (ibstat), or the wrong NCCL_IB_HCA or NCCL_SOCKET_IFNAME; "
+    "trained below its width (nvidia-smi --query-gpu=pcie.link.width.current,pcie.link.width.max --format=csv)",
+    "across": "the network of these GPUs' NICs: InfiniBand not used (NCCL falls back to TCP: with NCCL_DEBUG=INFO "
+    "it says NET/Socket instead of NET/IB), a port down (ibstat), or the wrong NCCL_IB_HCA or NCCL_SOCKET_IFNAME; "
     "to find the node, run the preflight on fewer nodes",
     "setting": "ranks run different software or NCCL settings: install the same stack on every node, and set "
     "NCCL_* where the job starts (the launchers forward them), not in one node's profile",
@@ -291,9 +291,10 @@ def table(results: list[dict], nodes: dict, links: dict, findings: list[str], ar
     }
     lines.append("Every rank: " + ", ".join(f"{key} {value}" for key, value in shared.items()))
     if not findings:
-        return "\n".join(
-            [*lines, f"Verdict: every rank and link within {args.threshold:.0%} of the median of its peers."]
+        clean = (
+            f"Verdict: no rank or link below {args.threshold:.0%} of the median of its peers, no setting that differs."
         )
+        return "\n".join([*lines, clean])
     return "\n".join([*lines, f"Verdict: {len(findings)} problem(s):", *(f"- {f}" for f in findings), f"Fixes: {SEE}."])
 
 
