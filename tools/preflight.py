@@ -20,6 +20,7 @@ verdict names anything, so that a job script can refuse to start the training.
 import argparse
 import functools
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -143,7 +144,9 @@ def describe(device: torch.device) -> dict:
     info = {"torch": torch.__version__}
     if device.type == "cuda":
         smi = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-        driver = subprocess.run(smi, capture_output=True, text=True, check=False).stdout.split("\n")[0]
+        driver = "?"  # a container may lack nvidia-smi: then only torch's view of the stack is compared
+        if shutil.which("nvidia-smi"):
+            driver = subprocess.run(smi, capture_output=True, text=True, check=False).stdout.split("\n")[0]
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
         info |= {"gpu": torch.cuda.get_device_name(device), "driver": driver, "cuda": torch.version.cuda, "nccl": nccl}
     return info | {name: value for name, value in os.environ.items() if name.startswith("NCCL_")}
