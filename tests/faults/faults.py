@@ -134,6 +134,21 @@ def slow_data(seconds: float) -> None:
     common.load_and_pack = common.data.load_and_pack = slow_load_and_pack
 
 
+def slow_matmuls(seconds: float) -> None:
+    """A throttled GPU, as python -m tools.preflight measures it: every torch.matmul takes S seconds more."""
+    import time
+
+    import torch
+
+    matmul = torch.matmul
+
+    def slow_matmul(*args, **kwargs):
+        time.sleep(seconds)
+        return matmul(*args, **kwargs)
+
+    torch.matmul = slow_matmul
+
+
 def wrong_fp8_scales(factor: float) -> None:
     # The two places torchao computes a scale from an amax; the chapter imports the second by name
     # after this runs, so replacing it in torchao.float8 is enough.
@@ -173,3 +188,5 @@ if "FAULT_SLOW_DATA" in os.environ and RANK == "0":
     slow_data(float(os.environ["FAULT_SLOW_DATA"]))
 if "FAULT_SLOW_SHARD_WRITE" in os.environ and RANK == os.environ.get("FAULT_RANK", "0"):
     slow_shard_writes(float(os.environ["FAULT_SLOW_SHARD_WRITE"]))
+if "FAULT_SLOW_MATMUL" in os.environ and RANK == os.environ.get("FAULT_RANK", "0"):
+    slow_matmuls(float(os.environ["FAULT_SLOW_MATMUL"]))
