@@ -90,3 +90,28 @@ def chapter_01_reference(tmp_path_factory, hf_home):
         run_chapter("01-single-gpu", *args, hf_home=hf_home)
 
     return _shared_run(tmp_path_factory, "chapter_01_reference", run) / "01-single-gpu"
+
+
+@pytest.fixture(scope="session")
+def tied_bf16_fsdp_reference(tmp_path_factory):
+    """Chapter 04 on 2 ranks for 3 steps of FAST_ARGS (8 rows per step) on the tiny model with tied
+    embeddings, published in bf16 as Llama-3.2-1B is (in `model`), exported with --export-hf (to
+    `hf`). Chapter 04's export test reads it, and chapter 05's tied-embeddings test compares with it.
+    The same run is chapter 04's test of a data preparation that outlasts the collective timeout:
+    with its own empty cache, rank 0 prepares the data 20 s more slowly than it can, under
+    --dist-timeout 0.25 (15 s)."""
+    import torch
+    from harness import FAST_ARGS, REPO, run_chapter
+    from transformers import AutoConfig
+
+    def run(save_dir):
+        model_dir = save_dir / "model"
+        shutil.copytree(REPO / "common" / "tiny_llama", model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+        config.tie_word_embeddings, config.dtype = True, torch.bfloat16
+        config.save_pretrained(model_dir)
+        args = [*FAST_ARGS, "--model-name", str(model_dir), "--max-steps", "3", "--export-hf", str(save_dir / "hf")]
+        args += ["--dist-timeout", "0.25", "--save-dir", str(save_dir)]
+        run_chapter("04-fsdp", *args, nproc=2, hf_home=save_dir / "hf_home", faults={"FAULT_SLOW_DATA": 20})
+
+    return _shared_run(tmp_path_factory, "tied_bf16_fsdp_reference", run)

@@ -64,16 +64,28 @@ def test_the_lr_rises_from_zero_then_decays_on_a_cosine_to_a_tenth(straight_run)
     assert logged[STEPS] == pytest.approx(lr / 10, rel=1e-12)
 
 
-def test_exact_resume_after_kill(tmp_path, hf_home, straight_losses):
-    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", str(STEPS // 2), "--save-dir", str(tmp_path)]
+def test_kill_after_and_while_saving_resume_exactly(tmp_path, hf_home, straight_losses):
+    """Killed right after its first checkpoint (step 4); rerun, it resumes from it, and is killed
+    half-way through writing its next one (step 8); rerun again, it resumes from step 4 once more,
+    the interrupted save cleaned up and never counted. The losses are the uninterrupted run's."""
+    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", "4", "--save-dir", str(tmp_path)]
+    exp_dir = tmp_path / CHAPTER
+    checkpoints = exp_dir / "checkpoints"
+    resumed_from_4 = f"Resumed from {checkpoints / 'step-00000004'} at step 4"
     killed = run_chapter(CHAPTER, *args, hf_home=hf_home, faults={"FAULT_KILL_AFTER_CHECKPOINT": 1}, check=False)
     assert killed.returncode == -9, killed.stderr[-2000:]
-    exp_dir = tmp_path / CHAPTER
-    assert max(read_metrics(exp_dir)) == STEPS // 2
+    assert max(read_metrics(exp_dir)) == 4
+
+    killed = run_chapter(CHAPTER, *args, hf_home=hf_home, faults={"FAULT_KILL_DURING_CHECKPOINT": 1}, check=False)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert resumed_from_4 in killed.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004", "step-00000008.tmp"]
 
     resumed = run_chapter(CHAPTER, *args, hf_home=hf_home)
-    assert f"Resumed from {exp_dir / 'checkpoints' / 'step-00000006'} at step 6" in resumed.stderr
+    assert resumed_from_4 in resumed.stderr
     assert losses(exp_dir) == straight_losses  # bitwise: fp32 on CPU is deterministic
+    # The newest 2 (--keep-checkpoints) remain; the interrupted save was cleaned up and never counted.
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000008", f"step-{STEPS:08d}"]
 
 
 def test_compile_traces_the_model_once(tmp_path, hf_home, straight_losses):
@@ -81,20 +93,6 @@ def test_compile_traces_the_model_once(tmp_path, hf_home, straight_losses):
     # One graph for training (step 1) and one for evaluation (after step 6), never another.
     assert graphs == [1] * 6 + [2] * (STEPS - 6), graphs
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), straight_losses)) <= 1e-5
-
-
-def test_kill_while_saving_resumes_from_previous_checkpoint(tmp_path, hf_home, straight_losses):
-    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", "4", "--save-dir", str(tmp_path)]
-    killed = run_chapter(CHAPTER, *args, hf_home=hf_home, faults={"FAULT_KILL_DURING_CHECKPOINT": 2}, check=False)
-    assert killed.returncode == -9, killed.stderr[-2000:]
-    checkpoints = tmp_path / CHAPTER / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004", "step-00000008.tmp"]
-
-    resumed = run_chapter(CHAPTER, *args, hf_home=hf_home)
-    assert "at step 4" in resumed.stderr
-    assert losses(tmp_path / CHAPTER) == straight_losses
-    # The newest 2 (--keep-checkpoints) remain; the interrupted save was cleaned up and never counted.
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000008", f"step-{STEPS:08d}"]
 
 
 def test_rerunning_a_finished_run_does_nothing(tmp_path, hf_home, straight_run):

@@ -46,13 +46,16 @@ def test_matches_chapter_01_with_the_same_global_batch(chapter_01_run, straight_
 
 
 @pytest.fixture(scope="module")
-def accumulating_run(tmp_path_factory, hf_home):
+def accumulating_run(tmp_path_factory):
     """2 ranks x 2 micro-batches of 2 rows (chapter 01's batch of 8), with the gradient reductions
-    and the bytes of rank 0's training state recorded (tests/faults/sitecustomize.py)."""
+    and the bytes of rank 0's training state recorded (tests/faults/sitecustomize.py). It starts with
+    an empty cache of its own, each rank's output in its own file (torchrun --log-dir)."""
     save_dir = tmp_path_factory.mktemp("accumulating")
     args = [*FAST_ARGS, "--batch-size", "2", "--grad-accum-steps", "2", "--max-steps", str(STEPS)]
     probes = {"PROBE_GRADIENT_REDUCTIONS": save_dir / "reductions.jsonl", "PROBE_STATE_BYTES": save_dir / "state.json"}
-    run_chapter(CHAPTER, *args, "--save-dir", str(save_dir), nproc=RANKS, hf_home=hf_home, faults=probes)
+    torchrun_args = ("--log-dir", str(save_dir / "logs"), "--redirects", "3")
+    run_chapter(CHAPTER, *args, "--save-dir", str(save_dir), nproc=RANKS, hf_home=save_dir / "hf", faults=probes,
+                torchrun_args=torchrun_args)  # fmt: skip
     return save_dir
 
 
@@ -123,12 +126,9 @@ def test_a_failing_rank_stops_the_job_and_is_reported(tmp_path, hf_home):
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)", root_cause), root_cause
 
 
-def test_data_is_prepared_once(tmp_path):
+def test_data_is_prepared_once(accumulating_run):
     """With an empty cache, rank 0 tokenizes; rank 1 waits and then finds rank 0's cache."""
-    args = [*FAST_ARGS, "--max-steps", "2", "--save-dir", str(tmp_path / "out")]
-    torchrun_args = ("--log-dir", str(tmp_path / "logs"), "--redirects", "3")
-    run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=tmp_path / "hf", torchrun_args=torchrun_args)
-    stderr = {int(p.parent.name): p.read_text() for p in (tmp_path / "logs").rglob("stderr.log")}
+    stderr = {int(p.parent.name): p.read_text() for p in (accumulating_run / "logs").rglob("stderr.log")}
     assert sorted(stderr) == [0, 1]
     assert "Tokenizing and packing" in stderr[0]
     assert "Tokenizing" not in stderr[1], stderr[1][-2000:]
@@ -153,16 +153,27 @@ def test_batch_too_large_for_the_ranks_fails_clearly(tmp_path, hf_home):
     assert not save_dir.exists()
 
 
-def test_sigterm_to_one_rank_stops_every_rank_and_resumes_exactly(tmp_path, hf_home, straight_run):
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory, hf_home):
+    """SIGTERM to rank 1 alone in step 5 of the reference's command: the job stops after step 5 with
+    one checkpoint. Tests resume copies of it."""
+    save_dir = tmp_path_factory.mktemp("stopped")
+    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--experiment-name", "ddp", "--save-dir", str(save_dir)]
+    faults = {"FAULT_SIGNAL_AT_STEP": 5, "FAULT_RANK": 1}
+    stopped = run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home, faults=faults)
+    return save_dir / "ddp", stopped.stderr
+
+
+def test_sigterm_to_one_rank_stops_every_rank_and_resumes_exactly(tmp_path, hf_home, stopped_run, straight_run):
     """SIGTERM to rank 1 alone in step 5: rank 0 learns of it through the step's all-reduce of the
     stop flag, both stop after step 5 with one checkpoint and exit cleanly, and the rerun's losses
     are the uninterrupted run's, bit for bit."""
-    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--experiment-name", "ddp", "--save-dir", str(tmp_path)]
-    faults = {"FAULT_SIGNAL_AT_STEP": 5, "FAULT_RANK": 1}
-    stopped = run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home, faults=faults)
+    stopped_dir, log = stopped_run
     # Rank 0 speaks for the job: it was not signalled itself.
-    assert "Stopped by a signal to another rank at step 5: rerun the same command to resume" in stopped.stderr
-    assert [p.name for p in (tmp_path / "ddp" / "checkpoints").iterdir()] == ["step-00000005"]
+    assert "Stopped by a signal to another rank at step 5: rerun the same command to resume" in log
+    assert [p.name for p in (stopped_dir / "checkpoints").iterdir()] == ["step-00000005"]
+    shutil.copytree(stopped_dir, tmp_path / "ddp")
+    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--experiment-name", "ddp", "--save-dir", str(tmp_path)]
     resumed = run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home)
     assert "step-00000005 at step 5" in resumed.stderr
     assert losses(tmp_path / "ddp") == losses(straight_run)
@@ -225,15 +236,13 @@ def test_plain_python_says_how_to_launch(tmp_path, hf_home):
     assert "error: start this chapter with torchrun --standalone --nproc-per-node 2" in last_line(proc.stderr)
 
 
-def test_resume_on_other_ranks_with_the_same_global_batch(tmp_path, hf_home, straight_run):
-    """The data position counts global batches: 1 rank x 8 rows resumes 2 ranks x 4 rows, while
-    another global batch is refused."""
-    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--experiment-name", "ddp", "--ckpt-freq", "6"]
-    args += ["--save-dir", str(tmp_path)]
-    faults = {"FAULT_KILL_AFTER_CHECKPOINT": 1}
-    run_chapter(CHAPTER, *args, nproc=RANKS, hf_home=hf_home, faults=faults, check=False)
+def test_resume_on_other_ranks_with_the_same_global_batch(tmp_path, hf_home, stopped_run, straight_run):
+    """The data position counts global batches: 1 rank x 8 rows resumes 2 ranks x 4 rows (the
+    checkpoint of step 5 that stopped_run left), while another global batch is refused."""
+    shutil.copytree(stopped_run[0], tmp_path / "ddp")
+    args = [*FAST_ARGS, "--max-steps", str(STEPS), "--experiment-name", "ddp", "--save-dir", str(tmp_path)]
     refused = run_chapter(CHAPTER, *args, "--batch-size", "2", nproc=RANKS, hf_home=hf_home, check=False)
     assert "global_batch_rows 8 -> 4" in last_lines(refused.stderr), refused.stderr[-2000:]
     resumed = run_chapter(CHAPTER, *args, "--batch-size", "8", nproc=1, hf_home=hf_home)
-    assert "at step 6" in resumed.stderr
+    assert "at step 5" in resumed.stderr
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / "ddp"), losses(straight_run))) <= 1e-5

@@ -68,14 +68,6 @@ def one_node_losses(one_node_run):
     return losses(one_node_run)
 
 
-def test_two_nodes_match_one_node(tmp_path, hf_home, one_node_losses):
-    results = launch_nodes([[*ARGS, "--save-dir", str(tmp_path)]] * 2, [hf_home] * 2)
-    assert all(code == 0 for code, _ in results), results[0][1][-3000:] + results[1][1][-3000:]
-    two_nodes = losses(tmp_path / CHAPTER)
-    assert len(two_nodes) == STEPS
-    assert max(abs(a - b) for a, b in zip(two_nodes, one_node_losses)) <= 1e-5
-
-
 @pytest.fixture
 def two_hosts():
     """Two network namespaces joined by a veth pair: two hosts, each with its own interface and address."""
@@ -124,14 +116,18 @@ def test_two_hosts_with_their_own_addresses_match_one_node(tmp_path, hf_home, tw
     assert losses(tmp_path / CHAPTER) == one_node_losses
 
 
-def test_node_local_cache_is_prepared_on_every_node(tmp_path):
-    """Two nodes x 2 ranks, each node with its own empty cache: on each node, local rank 0 alone
-    tokenizes, and its node's other rank then finds the cache."""
+def test_two_nodes_match_one_node_and_each_prepares_its_node_local_cache(tmp_path, one_node_losses):
+    """Two nodes x 2 ranks x 2 rows, the one node's 8 rows per step, train as it does. Each node has
+    its own empty cache (--node-local-cache): on each node, local rank 0 alone tokenizes, and its
+    node's other rank then finds the cache."""
     hf_homes = [tmp_path / "node0-hf", tmp_path / "node1-hf"]
-    node_args = [[*FAST_ARGS, "--max-steps", "2", "--node-local-cache", "--save-dir", str(tmp_path / "out")]] * 2
+    node_args = [[*ARGS, "--batch-size", "2", "--node-local-cache", "--save-dir", str(tmp_path / "out")]] * 2
     torchrun_args = ("--log-dir", str(tmp_path / "logs"), "--redirects", "3")
     results = launch_nodes(node_args, hf_homes, nproc_per_node=2, torchrun_args=torchrun_args)
-    assert all(code == 0 for code, _ in results), results
+    assert all(code == 0 for code, _ in results), results[0][1][-3000:] + results[1][1][-3000:]
+    two_nodes = losses(tmp_path / "out" / CHAPTER)
+    assert len(two_nodes) == STEPS
+    assert max(abs(a - b) for a, b in zip(two_nodes, one_node_losses)) <= 1e-5
     # torchrun writes <log-dir>/<run id>_<random>/attempt_0/<local rank>/stderr.log, one run folder per node.
     node_logs = sorted((tmp_path / "logs").glob("*/attempt_0"))
     assert len(node_logs) == 2
@@ -217,10 +213,11 @@ def slurm(tmp_path_factory):
         cluster.stop()
 
 
-@pytest.mark.parametrize("chapter", [CHAPTER, "04-fsdp"])
+@pytest.mark.parametrize("chapter", ["04-fsdp"])
 def test_slurm_job_matches_one_node(tmp_path, hf_home, slurm, one_node_losses, chapter):
     # launch.sbatch runs the chapter relative to the submission folder (the repo root for users); a
-    # scratch folder with the chapters linked in keeps job files out of the repo.
+    # scratch folder with the chapters linked in keeps job files out of the repo. Chapter 03, the
+    # script it runs by default, is test_slurm_time_limit_stops_with_a_checkpoint_and_requeues's job.
     for folder in {CHAPTER, chapter}:
         (tmp_path / folder).symlink_to(REPO / folder)
     env = {**chapter_env(hf_home), "NPROC_PER_NODE": "1", "TRAIN_SCRIPT": f"{chapter}/train_llm.py"}
@@ -252,7 +249,8 @@ def test_slurm_time_limit_stops_with_a_checkpoint_and_requeues(tmp_path, hf_home
     """What Slurm does 5 minutes before the time limit (launch.sbatch's --signal), done by hand: SIGTERM
     to the batch script. The training saves and stops, the job requeues itself and resumes, and the
     losses are those of an uninterrupted run. (An evaluation every 2 steps, which changes no loss, gives
-    the signal more time to arrive before the last step.)"""
+    the signal more time to arrive before the last step.) The job is the script's default, chapter 03
+    on 2 nodes, each with its log, which both attempts append to."""
     args = [*ARGS, "--eval-every", "2", "--device", "cpu"]
     (tmp_path / CHAPTER).symlink_to(REPO / CHAPTER)
     # With W&B's service process, which Slurm's signal stops too.
@@ -294,6 +292,9 @@ def test_slurm_time_limit_stops_with_a_checkpoint_and_requeues(tmp_path, hf_home
     job_output = (tmp_path / f"train-llm-{job}.out").read_text()
     logs = "".join(p.read_text() for p in logs.glob("*.log"))
     assert "SIGTERM: the training stops with a checkpoint" in job_output and "Requeueing" in job_output, job_output
+    assert "2 nodes (node[1-2])" in job_output
+    node_logs = sorted((tmp_path / "logs" / f"train-llm-{job}").glob("*.log"))
+    assert [p.name.split("-")[0] for p in node_logs] == ["0", "1"], "one log per node"
     stopped = re.search(r"Stopped by SIGTERM at step (\d+)", logs)
     assert stopped and f"at step {stopped.group(1)}" in logs.split("Stopped by SIGTERM")[1], logs[-3000:]
     assert f"Done: {STEPS} steps" in logs

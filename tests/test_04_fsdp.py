@@ -50,23 +50,17 @@ def test_matches_ddp(ddp_run, fsdp_run):
     )
 
 
-@pytest.mark.parametrize(
-    "layout, reductions",
-    [([], {"reduce_scatters": 2 * 7, "replica_all_reduces": 0}), (["--shard-size", "1"], {"reduce_scatters": 0, "replica_all_reduces": 7})],
-    ids=["fsdp", "hsdp"],
-)
-def test_gradient_accumulation_reduce_scatters_every_micro_step(tmp_path, hf_home, fsdp_run, layout, reductions):
+def test_gradient_accumulation_reduce_scatters_every_micro_step(tmp_path, hf_home, fsdp_run):
     """2 ranks x 2 micro-batches of 2 rows equal 2 ranks x 4 rows. Each micro-step reduce-scatters
     into the sharded gradients (7 units: the embeddings, 4 blocks, the output head and the root), so
-    no rank ever holds a full gradient (tests/test_real_sizes.py measures that at 8B). With HSDP (here
-    2 replicas of a whole model each: nothing to reduce-scatter), the all-reduce between replicas is
-    deferred to the last micro-step: once per unit and step, and the sum it reduces is every
-    micro-batch's."""
+    no rank ever holds a full gradient (tests/test_real_sizes.py measures that at 8B). HSDP's
+    all-reduce between replicas, deferred to the last micro-step, is counted in hsdp_run."""
     probe = tmp_path / "reductions.jsonl"
-    args = [*ARGS, *layout, "--batch-size", "2", "--grad-accum-steps", "2", "--save-dir", str(tmp_path)]
+    args = [*ARGS, "--batch-size", "2", "--grad-accum-steps", "2", "--save-dir", str(tmp_path)]
     run_chapter(CHAPTER, *args, nproc=2, hf_home=hf_home, faults={"PROBE_GRADIENT_REDUCTIONS": probe})
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(fsdp_run / CHAPTER))) <= 1e-5
     counts = [json.loads(line) for line in probe.read_text().splitlines()]
+    reductions = {"reduce_scatters": 2 * 7, "replica_all_reduces": 0}
     assert [{key: step[key] for key in reductions} for step in counts] == [reductions] * STEPS, counts
 
 
@@ -120,47 +114,78 @@ def test_activation_checkpointing_gives_the_same_losses(interrupted_run, fsdp_ru
     assert max(abs(with_ac[step]["loss"] - without[step]["loss"]) for step in with_ac) <= 1e-5
 
 
-@pytest.mark.parametrize("nproc, batch_size", [(2, 4), (4, 2)], ids=["2-ranks", "4-ranks"])
-def test_resume_skips_the_interrupted_save_and_reshards(
-    tmp_path, hf_home, interrupted_run, fsdp_run, nproc, batch_size
+def test_resume_skips_the_interrupted_save_and_a_restart_resumes_from_the_newer_checkpoint(
+    tmp_path, hf_home, interrupted_run, fsdp_run
 ):
-    """The same global batch of 8 rows on 2 or 4 ranks: DCP reshards the 2-rank checkpoint.
-    (Activation checkpointing is off now: it changes what is recomputed, not what is saved.)"""
+    """The interrupted run, resumed on its 2 ranks (activation checkpointing off now: it changes what
+    is recomputed, not what is saved), skips the half-written save of step 8 and resumes from step 4.
+    It runs under torchrun --max-restarts, as chapter 03's README prints it (a fresh store per
+    attempt): rank 1 is SIGKILLed in its 6th optimizer step (step 9: loading AdamW's state takes one),
+    after the new checkpoint of step 8, and both workers restart and resume from that one. The losses
+    are the uninterrupted run's, bit for bit: the same ranks and shards."""
     shutil.copytree(interrupted_run, tmp_path / CHAPTER)
-    args = [*ARGS, "--batch-size", str(batch_size), "--ckpt-freq", "4", "--save-dir", str(tmp_path)]
-    resumed = run_chapter(CHAPTER, *args, nproc=nproc, hf_home=hf_home)
-    assert "Resumed from" in resumed.stderr and "step-00000004 at step 4" in resumed.stderr
-    resumed_losses, reference = losses(tmp_path / CHAPTER), losses(fsdp_run / CHAPTER)
-    if nproc == 2:
-        assert resumed_losses == reference  # the same ranks and shards: bit for bit
-    else:
-        assert max(abs(a - b) for a, b in zip(resumed_losses, reference)) <= 1e-5
+    proc = run_chapter(
+        CHAPTER,
+        *ARGS,
+        "--ckpt-freq",
+        "4",
+        "--save-dir",
+        str(tmp_path),
+        nproc=2,
+        torchrun_args=("--max-restarts", "1"),
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        faults={"FAULT_KILL_AT_STEP": 6, "FAULT_RANK": 1},
+        hf_home=hf_home,
+    )
+    first, restarted, again = proc.stderr.partition("Workers restarted 1 time(s): resuming")
+    assert restarted, proc.stderr[-3000:]
+    assert "Resumed from" in first and "step-00000004 at step 4" in first, first[-3000:]
+    assert "step-00000008 at step 8" in again, again[-3000:]
+    assert losses(tmp_path / CHAPTER) == losses(fsdp_run / CHAPTER)
     metrics = read_metrics(tmp_path / CHAPTER)[STEPS]
-    assert metrics["memory/params_gib"] * 2**30 == pytest.approx(NUM_PARAMS * 4 / nproc, rel=0.05)
+    assert metrics["memory/params_gib"] * 2**30 == pytest.approx(NUM_PARAMS * 4 / 2, rel=0.05)
 
 
 @pytest.fixture(scope="module")
 def hsdp_run(tmp_path_factory, hf_home, interrupted_run):
     """The 2-rank FSDP checkpoint of step 4 resumed on 4 ranks as HSDP: 2 groups of 2 ranks, each group
-    a replica sharded over its 2 ranks (2 rows per rank: the same 8 rows per step)."""
+    a replica sharded over its 2 ranks, each rank with 2 micro-batches of 1 row (the same 8 rows per
+    step), its training state and its gradient reductions recorded."""
     save_dir = tmp_path_factory.mktemp("hsdp")
     shutil.copytree(interrupted_run, save_dir / CHAPTER)
-    args = [*ARGS, "--batch-size", "2", "--shard-size", "2", "--ckpt-freq", "4", "--save-dir", str(save_dir)]
-    run_chapter(CHAPTER, *args, nproc=4, hf_home=hf_home, faults={"PROBE_STATE_BYTES": save_dir / "state.json"})
-    return save_dir
+    args = [*ARGS, "--batch-size", "1", "--grad-accum-steps", "2", "--shard-size", "2", "--ckpt-freq", "4"]
+    probes = {"PROBE_STATE_BYTES": save_dir / "state.json", "PROBE_GRADIENT_REDUCTIONS": save_dir / "reductions.jsonl"}
+    proc = run_chapter(CHAPTER, *args, "--save-dir", str(save_dir), nproc=4, hf_home=hf_home, faults=probes)
+    return save_dir, proc.stderr
 
 
 def test_hsdp_trains_as_fsdp_and_its_checkpoints_load_either_way(tmp_path, hf_home, hsdp_run, fsdp_run):
+    hsdp_dir, log = hsdp_run
     reference = losses(fsdp_run / CHAPTER)
-    # FSDP -> HSDP: from FSDP's checkpoint of step 4, the same losses.
-    assert max(abs(a - b) for a, b in zip(losses(hsdp_run / CHAPTER), reference)) <= 1e-5
+    # FSDP -> HSDP: the 2-rank checkpoint of step 4 (not the interrupted save of step 8) resharded
+    # onto 4 ranks, and the same losses.
+    assert "Resumed from" in log and "step-00000004 at step 4" in log, log[-3000:]
+    assert max(abs(a - b) for a, b in zip(losses(hsdp_dir / CHAPTER), reference)) <= 1e-5
     # Each rank holds its group's shard, half of everything, as the planner says.
-    assert_state_as_planned(hsdp_run / "state.json", Layout("HSDP", gpus=4, shard=2))
-    # HSDP -> FSDP: HSDP's checkpoint of step 8, resumed by plain FSDP on 2 ranks.
-    rewind(hsdp_run / CHAPTER, tmp_path / CHAPTER, 8)
-    resumed = run_chapter(CHAPTER, *ARGS, "--ckpt-freq", "4", "--save-dir", str(tmp_path), nproc=2, hf_home=hf_home)
+    assert_state_as_planned(hsdp_dir / "state.json", Layout("HSDP", gpus=4, shard=2))
+    # Each micro-step reduce-scatters within the group (7 units); the all-reduce between the replicas
+    # is deferred to the last micro-step: once per unit and step, and the sum it reduces is every
+    # micro-batch's (the losses above). The first line is the optimizer step that loading AdamW's
+    # state takes (DCP's _init_optim_state), before any backward.
+    counts = [json.loads(line) for line in (hsdp_dir / "reductions.jsonl").read_text().splitlines()]
+    keys = ["reduce_scatters", "replica_all_reduces"]
+    expected = [{"reduce_scatters": 0, "replica_all_reduces": 0}]
+    expected += [{"reduce_scatters": 2 * 7, "replica_all_reduces": 7}] * (STEPS - 4)
+    assert [{key: step[key] for key in keys} for step in counts] == expected, counts
+    # HSDP -> FSDP: HSDP's checkpoint of step 8, resumed by plain FSDP on 4 ranks with 2 rows each:
+    # DCP reshards each replica's halves into quarters, and the run trains on as FSDP's.
+    rewind(hsdp_dir / CHAPTER, tmp_path / CHAPTER, 8)
+    args = [*ARGS, "--batch-size", "2", "--ckpt-freq", "4", "--save-dir", str(tmp_path)]
+    resumed = run_chapter(CHAPTER, *args, nproc=4, hf_home=hf_home)
     assert "step-00000008 at step 8" in resumed.stderr
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), reference)) <= 1e-5
+    metrics = read_metrics(tmp_path / CHAPTER)[STEPS]
+    assert metrics["memory/params_gib"] * 2**30 == pytest.approx(NUM_PARAMS * 4 / 4, rel=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -271,53 +296,24 @@ def test_cpu_offload_needs_gpus(tmp_path, hf_home):
     assert "error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs" in proc.stderr
 
 
-def test_export_is_in_the_config_dtype_and_keeps_tied_weights(tmp_path, hf_home):
+def test_export_is_in_the_config_dtype_and_keeps_tied_weights(tmp_path, tied_bf16_fsdp_reference):
     """A model published in bf16 with tied embeddings (as Llama-3.2-1B) is exported in bf16, once."""
     from safetensors import safe_open
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    from transformers import AutoConfig
 
-    model_dir = tmp_path / "tied_bf16"
-    shutil.copytree(REPO / "common" / "tiny_llama", model_dir)
-    config = AutoConfig.from_pretrained(model_dir)
-    config.tie_word_embeddings, config.dtype = True, torch.bfloat16
-    config.save_pretrained(model_dir)
-    args = [*ARGS, "--model-name", str(model_dir), "--max-steps", "2", "--export-hf", str(tmp_path / "hf")]
-    run_chapter(CHAPTER, *args, "--save-dir", str(tmp_path), nproc=2, hf_home=hf_home)
-
-    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+    run = tied_bf16_fsdp_reference
+    with safe_open(run / "hf" / "model.safetensors", "pt") as f:
         exported = {name: f.get_tensor(name) for name in f.keys()}
     assert {t.dtype for t in exported.values()} == {torch.bfloat16}
     assert "lm_head.weight" not in exported, "a tied output head is saved once, as the embedding"
-    dcp_to_torch_save(tmp_path / CHAPTER / "checkpoints" / "step-00000002", tmp_path / "full.pt")
+    dcp_to_torch_save(run / CHAPTER / "checkpoints" / "step-00000003", tmp_path / "full.pt")
     trained = torch.load(tmp_path / "full.pt")["model"]
     assert all(exported[name].equal(trained[name].to(torch.bfloat16)) for name in exported)
 
 
-def test_elastic_restart_with_plain_torchrun(tmp_path, hf_home, fsdp_run):
-    # As chapter 03's README prints it: torchrun --max-restarts, with a fresh store per attempt.
-    # Rank 1 is SIGKILLed in step 7; both workers restart and resume from step 4's DCP checkpoint.
-    proc = run_chapter(
-        CHAPTER,
-        *ARGS,
-        "--ckpt-freq",
-        "4",
-        "--save-dir",
-        str(tmp_path),
-        nproc=2,
-        torchrun_args=("--max-restarts", "1"),
-        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
-        faults={"FAULT_KILL_AT_STEP": 7, "FAULT_RANK": 1},
-        hf_home=hf_home,
-    )
-    assert "Workers restarted 1 time(s): resuming" in proc.stderr and "step-00000004 at step 4" in proc.stderr
-    assert losses(tmp_path / CHAPTER) == losses(fsdp_run / CHAPTER)
-
-
-def test_data_preparation_may_outlast_the_collective_timeout(tmp_path):
-    """Rank 0 prepares the data 20 s more slowly than it can, under --dist-timeout 0.25 (15 s): rank 1
-    waits for it on the job's store, which no timeout ends, not in a collective, and the job trains.
-    (In a collective, gloo would have timed out; on GPUs, NCCL's watchdog would have killed the job.)"""
-    args = [*FAST_ARGS, "--max-steps", "2", "--dist-timeout", "0.25", "--save-dir", str(tmp_path)]
-    run_chapter(CHAPTER, *args, nproc=2, hf_home=tmp_path / "hf", faults={"FAULT_SLOW_DATA": 20})
-    assert len(losses(tmp_path / CHAPTER)) == 2
+def test_data_preparation_may_outlast_the_collective_timeout(tied_bf16_fsdp_reference):
+    """Rank 0 prepared the data 20 s more slowly than it can, under --dist-timeout 0.25 (15 s): rank 1
+    waited for it on the job's store, which no timeout ends, not in a collective, and the job trained.
+    (In a collective, gloo would have timed out; on GPUs, NCCL's watchdog would have killed the job.)
+    The run is tests/conftest.py's tied_bf16_fsdp_reference."""
+    assert len(losses(tied_bf16_fsdp_reference / CHAPTER)) == 3

@@ -1,5 +1,3 @@
-import shutil
-
 import pytest
 import torch
 from harness import (
@@ -108,22 +106,19 @@ def test_compile_traces_every_block_with_no_recompiles(tmp_path, hf_home, tp_run
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(tp_run))) <= 1e-5
 
 
-def test_tied_embeddings_stay_tied(tmp_path, hf_home):
+def test_tied_embeddings_stay_tied(tmp_path, hf_home, tied_bf16_fsdp_reference):
     """Llama-3.2-1B ties its output layer to its embedding: both are split over the vocabulary, as
-    one weight, and the model trains as chapter 04 trains it."""
+    one weight, and the model trains as chapter 04 trains it (tests/conftest.py's run: 2 ranks x 4
+    rows, here one replica of 2 tp ranks on the same 8 rows per step)."""
     from safetensors import safe_open
-    from transformers import AutoConfig
 
-    model_dir = tmp_path / "tied"
-    shutil.copytree(REPO / "common" / "tiny_llama", model_dir)
-    config = AutoConfig.from_pretrained(model_dir)
-    config.tie_word_embeddings = True
-    config.save_pretrained(model_dir)
-    args = [*FAST_ARGS, "--model-name", str(model_dir), "--max-steps", "3", "--batch-size", "8"]
-    run_chapter("04-fsdp", *args, "--save-dir", str(tmp_path), nproc=1, hf_home=hf_home)
+    reference = tied_bf16_fsdp_reference
+    args = [*FAST_ARGS, "--model-name", str(reference / "model"), "--max-steps", "3", "--batch-size", "8"]
     tp_args = [*args, "--tp-size", "2", "--save-dir", str(tmp_path), "--export-hf", str(tmp_path / "hf")]
     run_chapter(CHAPTER, *tp_args, nproc=2, hf_home=hf_home)
-    assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(tmp_path / "04-fsdp"))) <= 1e-5
+    tp_losses, fsdp_losses = losses(tmp_path / CHAPTER), losses(reference / "04-fsdp")
+    assert len(tp_losses) == len(fsdp_losses) == 3
+    assert max(abs(a - b) for a, b in zip(tp_losses, fsdp_losses)) <= 1e-5
     with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
         assert "lm_head.weight" not in f.keys(), "a tied output head is saved once, as the embedding"
 
