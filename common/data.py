@@ -65,7 +65,7 @@ def _load(dataset_name: str) -> dict:
         raise
     except Exception as err:  # datasets raises many types for unreadable files and unreachable names
         where = "its files cannot be read" if looks_local else "not a local path nor a Hub dataset that can be reached"
-        raise SystemExit(f"error: {flag}: {where} ({_first_line(err)})") from None
+        raise SystemExit(f"error: {flag}: {where} ({first_line(err)})") from None
     if "train" not in splits:
         raise SystemExit(f"error: {flag} has no 'train' split (splits: {list(splits)})")
     return {name: split for name, split in splits.items() if name in ("train", "validation", "test")}
@@ -118,6 +118,7 @@ def _rows(batch: dict) -> dict:
     return {"input_ids": input_ids, "labels": input_ids}
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """An exception as one line of an error message: its type and the first line of its text."""
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"

@@ -12,7 +12,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_MASKED_LM_MAPPING_NAMES,
 )
 
-from common.data import looks_like_path
+from common.data import first_line, looks_like_path
 
 # The embedded default: a tiny Llama config with its tokenizer (see tools/make_tiny_default.py),
 # loaded through the same calls as a Hub name.
@@ -28,15 +28,15 @@ def load_config_and_tokenizer(model_name: str, seq_length: int):
         config = AutoConfig.from_pretrained(model_name)
     except (OSError, ValueError, KeyError) as err:
         if os.path.isdir(model_name):  # no config.json, or one without model_type
-            raise SystemExit(f"error: {flag}: no usable config.json in the folder ({_first_line(err)})") from None
+            raise SystemExit(f"error: {flag}: no usable config.json in the folder ({first_line(err)})") from None
         raise SystemExit(
             f"error: {flag} is neither a local folder (none in {os.getcwd()}) nor a Hub model that can be "
-            f"reached ({_first_line(err)})"
+            f"reached ({first_line(err)})"
         ) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_name)
     except (OSError, ValueError, TypeError) as err:
-        raise SystemExit(f"error: {flag} has a config but no tokenizer that loads ({_first_line(err)})") from None
+        raise SystemExit(f"error: {flag} has a config but no tokenizer that loads ({first_line(err)})") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
         config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not config.is_decoder
     ):
@@ -66,10 +66,6 @@ def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-
-
-def _first_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
