@@ -124,8 +124,11 @@ def main():
         logger.info(f"Resumed from {checkpoint} at step {state['global_step']}")
 
     # DDP makes every rank start from rank 0's weights and averages the gradients across ranks
-    # during backward, bucket by bucket, while the rest of backward still runs.
-    model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    # during backward, bucket by bucket, while the rest of backward still runs. Not rank 0's buffers at
+    # every forward (BatchNorm's statistics): an LLM's never change, and forward stays free of collectives.
+    model = DistributedDataParallel(
+        model, device_ids=[local_rank] if device.type == "cuda" else None, broadcast_buffers=False
+    )
     # Compiling the DDP model (not the module inside) lets the compiler overlap communication.
     if use_compile:
         model.compile()
@@ -138,7 +141,7 @@ def main():
     tokens_per_step = global_batch_rows * args.seq_length
     flops_per_step = tokens_per_step * common.flops_per_token(model, config, args.seq_length)
     peak_flops = common.peak_bf16_flops(device)
-    timers = common.PhaseTimers(device)
+    timers = common.PhaseTimers(device, compare_ranks=True)  # names the straggler at log steps (DIAGNOSING.md)
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
     postfix = {}  # what the progress bar shows after the counts

@@ -1,11 +1,14 @@
-"""What the chapters measure, and where it goes: log lines, phase timers, memory, FLOPs and the GPU
-peaks for MFU, the non-finite guard, and the metrics (metrics.jsonl and wandb)."""
+"""What the chapters measure, and where it goes: log lines, phase timers (and across ranks, the
+straggler), memory, FLOPs and the GPU peaks for MFU, the non-finite guard, and the metrics
+(metrics.jsonl and wandb)."""
 
 import json
 import logging
 import os
 import re
 import resource
+import socket
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -14,11 +17,18 @@ from pathlib import Path
 
 import psutil
 import torch
+import torch.distributed as dist
 import tqdm
 import wandb
 from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
+
+SEE = 'DIAGNOSING.md, "The job is slower than it should be"'
+# A straggler works below 0.8 x the median pace of all ranks, as `python -m tools.preflight --threshold`
+# defaults to, for this many log steps in a row: one slow interval (a compile, a neighbour's burst on
+# a shared CPU) is not a straggler.
+STRAGGLER_THRESHOLD, STRAGGLER_LOG_STEPS = 0.8, 5
 
 
 class _TqdmHandler(logging.StreamHandler):
@@ -68,29 +78,57 @@ class PhaseTimers:
     On CUDA the GPU runs behind the CPU, so wall-clock time around a phase measures the CPU queueing
     kernels, not the GPU running them. Each phase is therefore bracketed by CUDA events on the stream;
     reading them needs a sync, which happens once, in `summary()` at log time, not once per phase.
+
+    `compare_ranks`: `summary()` also names the straggler (see Stragglers), a collective: every rank
+    calls it at the same steps. `blocks`: the transformer blocks, whose forward is then also timed on
+    its own ("compute"), between the hooks FSDP runs before and after it: FSDP's forward waits for its
+    all-gathers, so the forward phase holds the time a rank waits for the slowest one.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, compare_ranks: bool = False, blocks=()):
         self.use_cuda_events = device.type == "cuda"
         self._events = defaultdict(list)
         self._seconds = defaultdict(list)
+        self._block_starts = []
+        self._stragglers = Stragglers(device) if compare_ranks else None
+        for block in blocks:
+            # After FSDP's pre-forward hook (prepended): its all-gather has arrived when this one starts.
+            block.register_forward_pre_hook(self._block_start)
+            block.register_forward_hook(self._block_end)
 
-    @contextmanager
-    def __call__(self, phase: str):
+    def _start(self):
         if self.use_cuda_events:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)
             start.record()
-            yield
+            return start
+        return time.perf_counter()
+
+    def _stop(self, phase: str, start) -> None:
+        if self.use_cuda_events:
+            end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._events[phase].append((start, end))
         else:
-            t0 = time.perf_counter()
-            yield
-            self._seconds[phase].append(time.perf_counter() - t0)
+            self._seconds[phase].append(time.perf_counter() - start)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = self._start()
+        yield
+        self._stop(phase, start)
+
+    # Run as FSDP's hooks are, outside a block's compiled graph (which then stays whole).
+    @torch.compiler.disable
+    def _block_start(self, module, args):
+        self._block_starts.append(self._start())
+
+    @torch.compiler.disable
+    def _block_end(self, module, args, output):
+        self._stop("compute", self._block_starts.pop())
 
     def summary(self, steps: int) -> dict:
         """Milliseconds per step in each phase since the last call (a phase may run several times in a
-        step: once per micro-batch), then starts over."""
+        step: once per micro-batch), then starts over; with `compare_ranks`, the straggler's keys too."""
         if self.use_cuda_events:
             torch.cuda.synchronize()
             for phase, pairs in self._events.items():
@@ -98,7 +136,71 @@ class PhaseTimers:
             self._events.clear()
         result = {f"time/{phase}_ms": 1000 * sum(s) / steps for phase, s in self._seconds.items()}
         self._seconds.clear()
+        if self._stragglers is not None:
+            result |= self._stragglers.report(result)
         return result
+
+
+class Stragglers:
+    """Names the rank that holds the others back, from every rank's timings at a log step.
+
+    In a synchronous job every rank's step takes as long as the slowest rank's: the others wait for it
+    inside the next collective, and that wait lands in a phase of theirs (DDP's gradient all-reduce in
+    backward, FSDP's all-gathers in forward). The largest step time, or the largest time of any phase,
+    therefore names any rank, most often one that waits. What a rank does alone is its own: loading
+    its batch ("data"), and computing ("compute": the blocks' forward between FSDP's collectives where
+    timed, else the forward, in which DDP has no collective). The straggler is the rank whose data +
+    compute is the largest; the others' waits make up the difference. (The backward has collectives
+    inside under DDP and FSDP alike, so it is not counted: a slow GPU is slow in forward too.)
+
+    One all-gather of a few numbers per log step, on the device (after summary's sync), and the host
+    names once, at the start. Rank 0 warns when the same rank works below STRAGGLER_THRESHOLD x the
+    median pace for STRAGGLER_LOG_STEPS log steps in a row, naming the likely cause.
+    """
+
+    PHASES = ("data", "forward", "backward", "optimizer", "compute")
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.hosts = [None] * dist.get_world_size()
+        dist.all_gather_object(self.hosts, socket.gethostname())
+        self.rank, self.streak = None, 0
+
+    def report(self, timings: dict) -> dict:
+        mine = [timings.get(f"time/{phase}_ms", 0.0) for phase in self.PHASES]
+        gathered = torch.empty(dist.get_world_size() * len(mine), device=self.device)
+        dist.all_gather_single(gathered, torch.tensor(mine, device=self.device))
+        data, forward, _, _, compute = zip(*gathered.view(-1, len(mine)).tolist())
+        compute = compute if any(compute) else forward  # no blocks timed: the forward is local (DDP)
+        work = [d + c for d, c in zip(data, compute)]
+        slowest, median = max(range(len(work)), key=work.__getitem__), statistics.median(work)
+        if work[slowest] * STRAGGLER_THRESHOLD > median:
+            self.streak = self.streak + 1 if slowest == self.rank else 1
+        else:
+            self.streak = 0
+        self.rank = slowest
+        if self.streak == STRAGGLER_LOG_STEPS and dist.get_rank() == 0:
+            slow_data = data[slowest] - statistics.median(data) > compute[slowest] - statistics.median(compute)
+            cause = (
+                "a slow data path on that host: its disk or file system, too few CPU cores for its ranks, or "
+                "another process on them"
+                if slow_data
+                else "a slow GPU: throttled (clocks, power, temperature), another process on it, or a bad "
+                "PCIe link; on CPUs, another process on its cores"
+            )
+            logger.warning(
+                f"Straggler: rank {slowest} on {self.hosts[slowest]} holds back every rank, for "
+                f"{self.streak} log steps in a row: data + compute {work[slowest]:.1f} ms per step, "
+                f"{work[slowest] / median:.1f}x the median rank's {median:.1f} ms (data {data[slowest]:.1f}, "
+                f"compute {compute[slowest]:.1f}). Likely {cause}. See {SEE}"
+            )
+        return {
+            "straggler/rank": slowest,
+            "straggler/host": self.hosts[slowest],
+            "straggler/work_ms": work[slowest],
+            "straggler/median_work_ms": median,
+            "straggler/slow_log_steps": self.streak,
+        }
 
 
 def memory_stats(device: torch.device) -> dict:

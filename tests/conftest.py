@@ -93,7 +93,8 @@ def ddp_reference(tmp_path_factory, hf_home):
 
     def run(save_dir):
         args = [*FAST_ARGS, "--max-steps", "12", "--experiment-name", "ddp", "--save-dir", str(save_dir)]
-        run_chapter("02-multi-gpu", *args, nproc=2, hf_home=hf_home, env=OFFLINE_WANDB)
+        proc = run_chapter("02-multi-gpu", *args, nproc=2, hf_home=hf_home, env=OFFLINE_WANDB)
+        (save_dir / "ddp.stderr").write_text(proc.stderr)  # beside the run: what it warned (none: no straggler)
 
     return _shared_run(tmp_path_factory, "ddp_reference", run) / "ddp"
 

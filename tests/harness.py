@@ -181,6 +181,39 @@ def assert_state_as_planned(probe: Path, layout) -> None:
         assert abs(measured[key] - predicted[key]) <= 0.05 * predicted[key], (key, measured, predicted)
 
 
+# common.metrics.STRAGGLER_LOG_STEPS (5) + 2: DDP's second forward broadcasts the buckets' order (once,
+# from rank 0), where rank 0 waits for rank 1 as it does in backward after: its streak restarts at step 3.
+STRAGGLER_STEPS = 7
+
+
+def straggler_run(chapter: str, save_dir: Path, hf_home: Path, fault: str) -> tuple[str, dict[int, dict]]:
+    """`chapter` on 2 ranks for STRAGGLER_STEPS steps, logged at every one, with rank 1 slowed by `fault`
+    (FAULT_SLOW_BATCH: its data path; FAULT_SLOW_BLOCK: its forward compute; tests/faults): what the
+    job printed, and its metrics. The delays are well above a step's CPU work (0.1 to 0.4 s on 2 busy cores)."""
+    seconds = {"FAULT_SLOW_BATCH": 1.0, "FAULT_SLOW_BLOCK": 0.25}[fault]  # 4 blocks: 1 s per step either way
+    args = [*FAST_ARGS, "--max-steps", str(STRAGGLER_STEPS), "--eval-every", "100", "--save-dir", str(save_dir)]
+    proc = run_chapter(chapter, *args, nproc=2, hf_home=hf_home, faults={fault: seconds, "FAULT_RANK": 1})
+    return proc.stderr, read_metrics(save_dir / chapter)
+
+
+def assert_names_no_straggler(stderr: str, metrics: dict[int, dict]) -> None:
+    """A run of equal ranks: no straggler warning, and no rank slow for as many log steps as one takes."""
+    assert "Straggler" not in stderr, stderr
+    assert max(m["straggler/slow_log_steps"] for m in metrics.values() if "loss" in m) < 5, metrics
+
+
+def assert_names_rank_1(stderr: str, metrics: dict[int, dict], cause: str) -> None:
+    """One warning, naming rank 1 and its host with `cause`; the metrics name it at every log step from
+    the third, and count 5 log steps in a row below the threshold."""
+    warnings = [line for line in stderr.splitlines() if "Straggler:" in line]
+    host = socket.gethostname()
+    assert len(warnings) == 1 and f"Straggler: rank 1 on {host} " in warnings[0], stderr
+    assert cause in warnings[0] and 'DIAGNOSING.md, "The job is slower than it should be"' in warnings[0]
+    steps = range(3, STRAGGLER_STEPS + 1)  # at step 2, DDP's bucket-order broadcast may make rank 0 look as slow
+    assert [(metrics[s]["straggler/rank"], metrics[s]["straggler/host"]) for s in steps] == [(1, host)] * len(steps)
+    assert max(metrics[s]["straggler/slow_log_steps"] for s in steps) >= 5, metrics
+
+
 def read_metrics(exp_dir: Path) -> dict[int, dict]:
     """metrics.jsonl by step, training and validation records of a step merged. A resumed run logs
     again the steps after its checkpoint: the last entry wins."""

@@ -6,6 +6,8 @@ import time
 import pytest
 from harness import (
     FAST_ARGS,
+    assert_names_no_straggler,
+    assert_names_rank_1,
     assert_state_as_planned,
     compiled_graphs,
     last_line,
@@ -13,6 +15,7 @@ from harness import (
     losses,
     read_metrics,
     run_chapter,
+    straggler_run,
     wandb_run_record,
 )
 
@@ -43,6 +46,17 @@ def test_matches_chapter_01_with_the_same_global_batch(chapter_01_run, straight_
     assert max(abs(a - b) for a, b in zip(single, ddp)) <= 1e-5, (single, ddp)
     single_val, ddp_val = losses(chapter_01_run, "val_loss"), losses(straight_run, "val_loss")
     assert len(ddp_val) == 2 and max(abs(a - b) for a, b in zip(single_val, ddp_val)) <= 1e-5
+
+
+def test_equal_ranks_name_no_straggler(straight_run):
+    assert_names_no_straggler((straight_run.parent / "ddp.stderr").read_text(), read_metrics(straight_run))
+
+
+@pytest.mark.parametrize("fault, cause", [("FAULT_SLOW_BATCH", "slow data path"), ("FAULT_SLOW_BLOCK", "slow GPU")])
+def test_a_slow_rank_is_named_and_no_other(tmp_path, hf_home, fault, cause):
+    """DDP's forward has no collective (broadcast_buffers=False): rank 0 waits for rank 1's slow batch or
+    slow forward in backward's all-reduce, and its backward, not rank 1's, takes longer."""
+    assert_names_rank_1(*straggler_run(CHAPTER, tmp_path, hf_home, fault), cause)
 
 
 @pytest.fixture(scope="module")

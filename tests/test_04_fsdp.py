@@ -7,6 +7,8 @@ from harness import (
     FAST_ARGS,
     REPO,
     UNIFORM_LOSS,
+    assert_names_no_straggler,
+    assert_names_rank_1,
     assert_state_as_planned,
     compiled_graphs,
     last_lines,
@@ -14,6 +16,7 @@ from harness import (
     read_metrics,
     rewind,
     run_chapter,
+    straggler_run,
 )
 
 from tools.plan import Layout
@@ -34,8 +37,21 @@ def ddp_run(ddp_reference):
 def fsdp_run(tmp_path_factory, hf_home):
     save_dir = tmp_path_factory.mktemp("fsdp")
     args = [*ARGS, "--save-dir", str(save_dir), "--export-hf", str(save_dir / "hf")]
-    run_chapter(CHAPTER, *args, nproc=2, hf_home=hf_home, faults={"PROBE_STATE_BYTES": save_dir / "state.json"})
+    proc = run_chapter(CHAPTER, *args, nproc=2, hf_home=hf_home, faults={"PROBE_STATE_BYTES": save_dir / "state.json"})
+    (save_dir / "stderr.txt").write_text(proc.stderr)
     return save_dir
+
+
+def test_equal_ranks_name_no_straggler(fsdp_run):
+    assert_names_no_straggler((fsdp_run / "stderr.txt").read_text(), read_metrics(fsdp_run / CHAPTER))
+
+
+@pytest.mark.parametrize("fault, cause", [("FAULT_SLOW_BATCH", "slow data path"), ("FAULT_SLOW_BLOCK", "slow GPU")])
+def test_a_slow_rank_is_named_and_no_other(tmp_path, hf_home, fault, cause):
+    """FSDP's forward holds collectives: the root's all-gather, where rank 0 waits for rank 1's slow batch,
+    and each block's, where it waits for rank 1's slow block before it. Its forward then takes as long
+    as rank 1's; only the blocks' own compute (timed after FSDP's all-gather has arrived) tells them apart."""
+    assert_names_rank_1(*straggler_run(CHAPTER, tmp_path, hf_home, fault), cause)
 
 
 def test_matches_ddp(ddp_run, fsdp_run):

@@ -149,6 +149,37 @@ def slow_matmuls(seconds: float) -> None:
     torch.matmul = slow_matmul
 
 
+def slow_batches(seconds: float) -> None:
+    """A slow data path (disk, file system, busy CPUs): every batch a DataLoader yields takes S seconds more."""
+    import time
+
+    from torch.utils.data import dataloader
+
+    next_batch = dataloader._BaseDataLoaderIter.__next__
+
+    def slow_next(self):
+        time.sleep(seconds)
+        return next_batch(self)
+
+    dataloader._BaseDataLoaderIter.__next__ = slow_next
+
+
+def slow_blocks(seconds: float) -> None:
+    """A slow GPU, in the forward compute: every Llama block's forward takes S seconds more. Under FSDP the
+    block's all-gather comes before it (in FSDP's hook), so the other ranks wait for it in their forward."""
+    import time
+
+    from transformers.models.llama import modeling_llama
+
+    forward = modeling_llama.LlamaDecoderLayer.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    modeling_llama.LlamaDecoderLayer.forward = slow_forward
+
+
 def wrong_fp8_scales(factor: float) -> None:
     # The two places torchao computes a scale from an amax; the chapter imports the second by name
     # after this runs, so replacing it in torchao.float8 is enough.
@@ -190,3 +221,7 @@ if "FAULT_SLOW_SHARD_WRITE" in os.environ and RANK == os.environ.get("FAULT_RANK
     slow_shard_writes(float(os.environ["FAULT_SLOW_SHARD_WRITE"]))
 if "FAULT_SLOW_MATMUL" in os.environ and RANK == os.environ.get("FAULT_RANK", "0"):
     slow_matmuls(float(os.environ["FAULT_SLOW_MATMUL"]))
+if "FAULT_SLOW_BATCH" in os.environ and RANK == os.environ.get("FAULT_RANK", "0"):
+    slow_batches(float(os.environ["FAULT_SLOW_BATCH"]))
+if "FAULT_SLOW_BLOCK" in os.environ and RANK == os.environ.get("FAULT_RANK", "0"):
+    slow_blocks(float(os.environ["FAULT_SLOW_BLOCK"]))

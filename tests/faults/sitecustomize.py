@@ -19,13 +19,16 @@ FAULT_SIGNAL_AT_STEP=N          in the N-th optimizer step of rank FAULT_RANK, s
 FAULT_SLOW_DATA=S               rank 0 prepares the data (load_and_pack) S seconds more slowly.
 FAULT_SLOW_MATMUL=S             every torch.matmul of rank FAULT_RANK takes S seconds more: a throttled GPU, as
                                 python -m tools.preflight measures one.
+FAULT_SLOW_BATCH=S              every batch a DataLoader of rank FAULT_RANK yields takes S seconds more: a slow data path.
+FAULT_SLOW_BLOCK=S              every Llama block's forward on rank FAULT_RANK takes S seconds more: a slow GPU, in
+                                the forward compute (under FSDP, after the block's all-gather).
 FAULT_FP8_SCALE=F               every FP8 scale torchao computes is F x the right one: in amax_to_scale (inputs,
                                 output gradients, weights cast one by one) and in the weight scales
                                 precompute_float8_dynamic_scale_for_fsdp sets for FSDP's FP8 all-gathers. The FP8
                                 tensor keeps that scale, so with F > 1 every value above amax / F clamps.
 
 A fault strikes once: when torchrun restarts the workers (TORCHELASTIC_RESTART_COUNT > 0), none is
-armed, FAULT_SLOW_DATA, FAULT_SLOW_SHARD_WRITE and FAULT_SLOW_MATMUL excepted (they slow every attempt).
+armed, the FAULT_SLOW_* ones excepted (they slow every attempt).
 
 Probes (probes.py, scaled_mm_shapes.py) change nothing the script computes:
 
