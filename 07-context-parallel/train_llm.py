@@ -92,17 +92,10 @@ def main():
     # The rows are dealt over dp; cp, the inner dimension, groups --cp-size consecutive ranks (a node's
     # GPUs, on NVLink) that split each row's tokens. FSDP shards over them all (the mesh above): the cp
     # ranks hold the same weights as the dp ranks do, and sharding them over more ranks costs nothing more.
-    if world_size % args.cp_size or shard_size % args.cp_size:
-        raise SystemExit(
-            f"error: --cp-size {args.cp_size} must divide the number of ranks ({world_size}) and --shard-size"
-        )
-    if args.seq_length % (2 * args.cp_size):
-        raise SystemExit(
-            f"error: --cp-size {args.cp_size} cuts each row into {2 * args.cp_size} chunks (a head and a tail per "
-            f"rank, for an even causal load): --seq-length {args.seq_length} must be a multiple of {2 * args.cp_size}"
-        )
+    check_cp_layout(args, world_size, shard_size)
     dp_size = world_size // args.cp_size
     cp_mesh = init_device_mesh(device.type, (dp_size, args.cp_size), mesh_dim_names=("dp", "cp"))
+    dp_rank = cp_mesh["dp"].get_local_rank()
 
     # --- 2. Config and tokenizer ---
     # Everything that can fail on bad input happens before anything is written.
@@ -221,14 +214,7 @@ def main():
         while state["global_step"] < total_steps and not stopping:
             # Each dp rank takes every dp_size-th row of the same permutation. By dp rank, not by rank:
             # the ranks of a cp group must see the same rows, each keeping its slice of their tokens.
-            sampler = DistributedSampler(
-                train_data,
-                num_replicas=dp_size,
-                rank=cp_mesh["dp"].get_local_rank(),
-                shuffle=True,
-                seed=args.seed,
-                drop_last=True,
-            )
+            sampler = DistributedSampler(train_data, dp_size, dp_rank, shuffle=True, seed=args.seed, drop_last=True)
             sampler.set_epoch(state["epoch"])
             # On resume, the batches this epoch already trained on are skipped by index, never loaded.
             indices = list(sampler)[state["epoch_step"] * global_batch_rows // dp_size :]
@@ -392,6 +378,19 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
     apply_fsdp(model, blocks, fsdp_mesh, mp_policy, offload_policy)
 
 
+def check_cp_layout(args, world_size, shard_size):
+    """Refuses a --cp-size the ranks or the rows cannot be split by."""
+    if world_size % args.cp_size or shard_size % args.cp_size:
+        raise SystemExit(
+            f"error: --cp-size {args.cp_size} must divide the number of ranks ({world_size}) and --shard-size ({shard_size})"
+        )
+    if args.seq_length % (2 * args.cp_size):
+        raise SystemExit(
+            f"error: --cp-size {args.cp_size} cuts each row into {2 * args.cp_size} chunks (a head and a tail per "
+            f"rank, for an even causal load): --seq-length {args.seq_length} must be a multiple of {2 * args.cp_size}"
+        )
+
+
 def check_cp_model(model, args):
     """Refuses a model whose attention the ring cannot run, and has the others' attention called with no
     mask. The ring replaces SDPA's causal kernels, whole rows only: no sliding window, no mask, no other
@@ -427,6 +426,9 @@ def shard_sequences(batch, cp_mesh):
     differs: the row's last token predicts nothing). The mean over a cp group's ranks is then the rows'
     mean loss, and FSDP, which averages the gradients over all ranks, cp ranks included, averages over
     the dp ranks the gradients of their rows' mean: chapter 04's."""
+    if cp_mesh.size() == 1:  # chapter 04's step
+        yield batch
+        return
     if set(batch) != {"input_ids", "labels"}:
         extra = ", ".join(sorted(set(batch) - {"input_ids", "labels"}))
         raise SystemExit(
