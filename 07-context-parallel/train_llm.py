@@ -399,11 +399,11 @@ def check_cp_model(model, args):
     if args.cp_size == 1:
         return
     config, name = model.config, type(model).__name__
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    other_layers = set(getattr(config, "layer_types", None) or []) - {"full_attention"}
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     problem = (
         f"its attention is {config._attn_implementation!r}, not SDPA" if config._attn_implementation != "sdpa"
-        else f"it has {', '.join(sorted(layer_types))} layers" if layer_types != {"full_attention"}
+        else f"it has {', '.join(sorted(other_layers))} layers" if other_layers
         else f"it attends within a sliding window of {window} tokens" if window and window < args.seq_length
         else "it caps attention's logits" if getattr(config, "attn_logit_softcapping", None)
         else None
