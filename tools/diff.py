@@ -1,6 +1,7 @@
 """Each chapter's lesson is the diff of its train_llm.py against the previous chapter's.
 
     python -m tools.diff 01 02      # print the diff between chapters 01 and 02
+    python -m tools.diff 04 07      # chapter 07 (context parallel) builds on chapter 04
     python -m tools.diff --update   # rewrite the diff embedded in every chapter README
 
 A chapter README embeds its diff between two markers, which `--update` rewrites and the test
@@ -24,6 +25,17 @@ _BLOCK = re.compile(r"<!-- diff: (\S+) (\S+) -->\n.*?<!-- end diff -->", re.DOTA
 def chapters() -> list[Path]:
     """Chapter folders (`01-single-gpu`, ...) that hold a train_llm.py, in reading order."""
     return sorted(p.parent for p in REPO.glob("[0-9][0-9]-*/train_llm.py"))
+
+
+# A chapter's README embeds its diff against the chapter before it, or against the one it builds on:
+# context parallel is chapter 04's FSDP plus CP, the layout long-context training runs.
+BASES = {"07-context-parallel": "04-fsdp"}
+
+
+def base(chapter_dir: Path) -> Path:
+    """The chapter whose train_llm.py `chapter_dir`'s is diffed against."""
+    found = chapters()
+    return REPO / BASES[chapter_dir.name] if chapter_dir.name in BASES else found[found.index(chapter_dir) - 1]
 
 
 def chapter(number: str) -> Path:

@@ -75,6 +75,7 @@ class Layout:
     checkpointing: bool | str = False  # True or "full"; "selective"
     shard: int = 0  # HSDP: the dp ranks each tensor is sharded over, replicated across groups of them (0: all)
     gpus_per_node: int = 8  # each with a NIC of its own, as on H100 nodes
+    cp: int = 1  # context parallel (chapter 07): ranks that split each row's tokens, inside the dp ranks
 
 
 @functools.cache  # a model's config does not change while the planner runs
@@ -142,8 +143,10 @@ def plan(
     """Per GPU: bytes held at the peak (state, gathered blocks, activations, the loss's backward) and
     bytes sent per step."""
     p, n, t = m["params"], layout.gpus, layout.tp
-    dp = n // t
-    shard = layout.shard or dp  # HSDP: sharded over `shard` dp ranks, replicated over dp // shard groups
+    dp = n // t // layout.cp  # the ranks that take rows of their own
+    # HSDP: sharded over `shard` dp ranks, replicated over dp // shard groups. FSDP shards over the cp
+    # ranks too (chapter 07): they hold the same weights as the dp ranks.
+    shard = layout.shard or dp * layout.cp
     shards = shard * t if layout.sharded else 1
     fp8_layers = m["fp8_layers"].get(t, {}) if fp8 else {}
     fp8_block = sum(fp8_layers.values())  # a block's weights all-gathered in FP8
@@ -151,9 +154,10 @@ def plan(
     ddp_buckets = 4 * p if not layout.sharded and n > 1 else 0
     state = {"weights": 4 * p / shards, "gradients": 4 * p / shards + ddp_buckets, "optimizer": 8 * p / shards}
     gathered = 2 * (m["block_params"] * compute_bytes - fp8_block * (compute_bytes - 1)) / t if layout.sharded else 0
-    tokens = batch_size * seq_length
+    tokens = batch_size * seq_length // layout.cp  # a cp rank keeps its slice of each row, and its slice's loss
     activations = activation_bytes(m, tokens, t, layout.checkpointing, compute_bytes, compiled)
     loss_backward = loss_backward_bytes(m, tokens, t)
+
     def ring(k):  # the share of a buffer each of k ranks sends in a ring collective
         return (k - 1) / k if k > 1 else 0
 
@@ -164,7 +168,7 @@ def plan(
         gathered_bytes = (2 * twice + (p - twice)) * compute_bytes - 2 * m["layers"] * fp8_block * (compute_bytes - 1)
         shard_group = ring(shard) * (gathered_bytes + 4 * p) / t
         # HSDP: each rank's fp32 gradient shard all-reduced (2x) with its peers in the other groups.
-        replicate = ring(dp // shard) * 2 * 4 * p / (shard * t)
+        replicate = ring(dp * layout.cp // shard) * 2 * 4 * p / (shard * t)
         data_parallel = shard_group + replicate
     else:
         shard_group, data_parallel = ring(dp) * 2 * 4 * p, ring(dp) * 2 * 4 * p
@@ -175,7 +179,7 @@ def plan(
     # then the shard group, then the replicas.
     g = layout.gpus_per_node
     dp_per_node = max(g // t, 1)
-    across = {"shard": shard * t > g, "replicate": dp > shard and n > g}
+    across = {"shard": shard * t > g, "replicate": dp * layout.cp > shard and n > g}
     network = 0.0
     if across["shard"]:
         network += shard_group / min(shard, dp_per_node)
@@ -188,6 +192,12 @@ def plan(
     per_block = 4 * compute_bytes + gather_bytes("q_proj", "k_proj", "v_proj") + gather_bytes("gate_proj", "up_proj")
     per_block += gather_bytes("o_proj") + gather_bytes("down_proj")
     tensor_parallel = (t - 1) / t * tokens * m["hidden"] * (m["layers"] * per_block + 4 * compute_bytes)
+    # Ring attention, per block: forward sends this rank's keys and values on, cp - 1 times; backward
+    # sends them again, cp - 1 times, and the gradients of the keys and values (fp32), cp times.
+    # With grouped-query attention, the key/value heads alone: SDPA repeats them for the query heads itself.
+    kv_slice = tokens * 2 * m["kv"]
+    ring_sends = 2 * (layout.cp - 1) * compute_bytes + layout.cp * 4 if layout.cp > 1 else 0
+    context_parallel = m["layers"] * kv_slice * ring_sends
     return {
         **state,
         "gathered": gathered,
@@ -199,6 +209,7 @@ def plan(
         "network_per_nic": network,  # of sent_dp, what crosses nodes, per NIC
         "nvlink_dp": (0 if across["shard"] else shard_group) + (0 if across["replicate"] else replicate),
         "sent_tp": tensor_parallel,
+        "sent_cp": context_parallel,
     }
 
 
@@ -206,9 +217,15 @@ def check(m: dict, layout: Layout, gpus_per_node: int, seq_length: int) -> str |
     """Why `layout` cannot run, or None."""
     if layout.gpus % layout.tp or layout.tp > gpus_per_node:
         return f"--tp-size {layout.tp} must divide the {layout.gpus} GPUs and fit in a node of {gpus_per_node}"
+    if layout.cp > 1 and (layout.gpus % (layout.tp * layout.cp) or seq_length % (2 * layout.cp)):
+        return f"--cp-size {layout.cp} must divide the GPUs, and 2 x --cp-size the --seq-length ({seq_length})"
     if layout.shard and (layout.gpus // layout.tp) % layout.shard:
         return f"--shard-size {layout.shard} must divide the {layout.gpus // layout.tp} dp ranks"
-    for name, value in [("attention heads", m["heads"]), ("key/value heads", m["kv_heads"]), ("--seq-length", seq_length)]:
+    for name, value in [
+        ("attention heads", m["heads"]),
+        ("key/value heads", m["kv_heads"]),
+        ("--seq-length", seq_length),
+    ]:
         if value % layout.tp:
             return f"--tp-size {layout.tp} must divide the model's {name} ({value})"
     return None
@@ -216,7 +233,7 @@ def check(m: dict, layout: Layout, gpus_per_node: int, seq_length: int) -> str |
 
 def layouts(gpus: int, gpus_per_node: int) -> list[Layout]:
     """The chapters' layouts, simplest first: DDP, FSDP (and HSDP, a node per group, on several nodes),
-    then FSDP x TP inside a node, each without and then with activation checkpointing."""
+    then FSDP x TP inside a node, each without and then with activation checkpointing, then FSDP x CP."""
     options = [Layout("DDP (01-03)", gpus, sharded=False)]
     for tp in [1, 2, 4, 8]:
         if tp <= gpus_per_node and gpus % tp == 0:
@@ -225,6 +242,10 @@ def layouts(gpus: int, gpus_per_node: int) -> list[Layout]:
             options += [Layout(chapter + " + AC", gpus, tp, checkpointing=True)]
             if gpus > gpus_per_node and tp == 1:
                 options += [Layout("HSDP (04)", gpus, shard=gpus_per_node)]
+    # Context parallel inside a node, for rows too long for one GPU's activations (and its loss).
+    for cp in [2, 4, 8]:
+        if cp <= gpus_per_node and gpus % cp == 0:
+            options += [Layout(f"FSDP x CP {cp} (07) + AC", gpus, checkpointing=True, cp=cp)]
     return options
 
 
@@ -234,6 +255,7 @@ def main(argv=None) -> None:
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--tp-size", type=int, default=1, help="the layout to detail (1: FSDP)")
+    parser.add_argument("--cp-size", type=int, default=1, help="context parallel (07): ranks that split each row")
     parser.add_argument("--ddp", action="store_true", help="detail DDP instead of FSDP")
     parser.add_argument("--shard-size", type=int, default=0, help="HSDP: dp ranks per shard group (default: all)")
     parser.add_argument("--activation-checkpointing", nargs="?", const="full", choices=["full", "selective"])
@@ -252,11 +274,14 @@ def main(argv=None) -> None:
     m = count(args.model)
     gpus = args.nodes * args.gpus_per_node
     compute_bytes = 2 if args.dtype == "bfloat16" else 4
-    chosen = Layout("asked", gpus, args.tp_size, not args.ddp, args.activation_checkpointing, args.shard_size, args.gpus_per_node)
+    chosen = Layout("asked", gpus, args.tp_size, not args.ddp, args.activation_checkpointing, args.shard_size, args.gpus_per_node,
+                    args.cp_size)  # fmt: skip
     problem = check(m, chosen, args.gpus_per_node, args.seq_length)
     if problem:
         raise SystemExit(f"error: {problem}")
-    print(f"{args.model}: {m['params'] / 1e9:.2f}B parameters, {m['layers']} blocks; {args.nodes} x {args.gpus_per_node} GPUs")
+    print(
+        f"{args.model}: {m['params'] / 1e9:.2f}B parameters, {m['layers']} blocks; {args.nodes} x {args.gpus_per_node} GPUs"
+    )
     print(f"{args.batch_size} rows x {args.seq_length} tokens per replica, {args.dtype} compute"
           f"{'' if args.compile else ', not compiled'}\n")  # fmt: skip
 
@@ -266,21 +291,28 @@ def main(argv=None) -> None:
         print(f"In FP8 (tensorwise, at tp {args.tp_size}): {fp8_layers} of each block\n")
     kind = "DDP" if args.ddp else f"HSDP over {args.shard_size}" if args.shard_size else "FSDP"
     ac = f", {args.activation_checkpointing} AC" if args.activation_checkpointing else ""
-    print(f"Per GPU, {kind}, tp {args.tp_size}{ac}:")
+    print(f"Per GPU, {kind}, tp {args.tp_size}{f', cp {args.cp_size}' if args.cp_size > 1 else ''}{ac}:")
     for key in ["weights", "gradients", "optimizer", "gathered", "activations", "loss backward", "total"]:
         print(f"  {key:<13} {result[key] / GIB:8.2f} GiB")
     # A ring that crosses nodes runs at the pace of its NICs; one inside a node, of NVLink.
     network, nvlink = result["network_per_nic"], result["nvlink_dp"]
-    print(f"  sent per step over dp: {result['sent_dp'] / GIB:.2f} GiB per GPU; through each NIC across nodes "
-          f"{network / GIB:.2f} GiB, over NVLink alone {nvlink / GIB:.2f} GiB per GPU "
-          f"(at best {network / 1e9 / args.network_gbps + nvlink / 1e9 / args.nvlink_gbps:.3f} s); "
-          f"{result['sent_tp'] / GIB:.2f} GiB over tp (at best {result['sent_tp'] / 1e9 / args.nvlink_gbps:.3f} s)")
+    print(
+        f"  sent per step over dp: {result['sent_dp'] / GIB:.2f} GiB per GPU; through each NIC across nodes "
+        f"{network / GIB:.2f} GiB, over NVLink alone {nvlink / GIB:.2f} GiB per GPU "
+        f"(at best {network / 1e9 / args.network_gbps + nvlink / 1e9 / args.nvlink_gbps:.3f} s); "
+        f"{result['sent_tp'] / GIB:.2f} GiB over tp (at best {result['sent_tp'] / 1e9 / args.nvlink_gbps:.3f} s)"
+    )
+    if args.cp_size > 1:  # the ring's key/value blocks, over NVLink inside a node
+        print(f"  sent per step over cp (ring attention): {result['sent_cp'] / GIB:.2f} GiB per GPU "
+              f"(at best {result['sent_cp'] / 1e9 / args.nvlink_gbps:.3f} s, overlapped with attention's compute)")  # fmt: skip
     # A checkpoint holds the fp32 weights and AdamW's moments once: DCP spreads the writing over all
     # ranks (DDP: rank 0 writes it all). --async-checkpoints first copies each rank's state to CPU memory.
     state = result["weights"] + result["optimizer"]
     written = state if args.ddp else 12 * m["params"] / gpus
-    print(f"  checkpoint: {written / GIB:.2f} GiB written per GPU per save; --async-checkpoints (04-06) copies "
-          f"{state / GIB:.2f} GiB per GPU to CPU memory first, {state * args.gpus_per_node / GIB:.0f} GiB per node\n")
+    print(
+        f"  checkpoint: {written / GIB:.2f} GiB written per GPU per save; --async-checkpoints (04-06) copies "
+        f"{state / GIB:.2f} GiB per GPU to CPU memory first, {state * args.gpus_per_node / GIB:.0f} GiB per node\n"
+    )
 
     usable = 0.9 * args.gpu_memory_gib * GIB  # CUDA's context, allocator fragmentation, temporaries
     print(f"Layouts (fits: under 90% of {args.gpu_memory_gib:g} GiB):")
@@ -295,8 +327,10 @@ def main(argv=None) -> None:
     if fitting:
         print(f"\nThe simplest that fits: {fitting.name}.")
     else:
-        print("\nNone fits: fewer rows per step (--batch-size, with --grad-accum-steps for the same global batch), "
-              "a shorter --seq-length, more GPUs, or --cpu-offload (chapter 04).")
+        print(
+            "\nNone fits: fewer rows per step (--batch-size, with --grad-accum-steps for the same global batch), "
+            "a shorter --seq-length, more GPUs, or --cpu-offload (chapter 04)."
+        )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,599 @@
+"""Chapter 07: context parallel: each rank holds a slice of every sequence, and attention passes the
+keys and values around the ring of a row's ranks. FSDP2 shards the model over all ranks, as in 04.
+
+    torchrun --standalone --nproc-per-node gpu 07-context-parallel/train_llm.py --cp-size 2
+
+With no arguments it trains a tiny Llama on a small task dataset, both shipped in common/.
+Rerunning the same command resumes from the last checkpoint in --save-dir/--experiment-name.
+"""
+
+import contextlib
+import functools
+import gc
+import json
+import logging
+import math
+import os
+import secrets
+import shutil
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+import tqdm
+import wandb
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor.experimental import context_parallel
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+from transformers import AttentionInterface, AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import common
+
+# isort: split
+# The chapter's own module, beside this script: the CPU's attention kernel on the ring (GPUs need none).
+import cpu_ring_attention
+
+logger = logging.getLogger(__name__)
+
+
+@common.record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
+def main():
+    # --- 1. Setup: flags, device, precision ---
+    # The ~370k objects the imports made live as long as the process: the garbage collector need never
+    # scan them again (each full scan takes ~0.3 s, mid-step; together a sixth of a short run's CPU time).
+    gc.freeze()
+    args = get_parser().parse_args()
+    if "RANK" not in os.environ:
+        # Started with plain python: no launcher has said which rank this is.
+        raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
+    # torchrun starts one process per GPU and tells each who it is.
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    # Rank 0 speaks for the job; the others only report warnings and errors. Across nodes, the
+    # host name says where a rank runs: ranks are not assigned in the order of a host list.
+    prefix = f"[{socket.gethostname()} rank={rank}] "
+    common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
+    logger.info(args)
+    # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        logger.warning(f"Workers restarted {os.environ['TORCHELASTIC_RESTART_COUNT']} time(s): resuming")
+
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but no GPU is visible (did the job request GPUs?)")
+    device = init_distributed(args, device_type, local_rank)
+    cpu_ring_attention.register(device)
+    # fp32 weights and optimizer state; matmuls in bf16 on GPU, fp32 on CPU.
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    # FSDP's mixed precision casts the weights for the matmuls itself: no autocast.
+    autocast = functools.partial(torch.autocast, device.type, enabled=False)
+    use_compile = args.compile if args.compile is not None else device.type == "cuda"
+    # FSDP shards every tensor over --shard-size ranks (default: all). Fewer (a node's GPUs) is HSDP:
+    # each group of them holds a full replica, the blocks' all-gathers and reduce-scatters stay inside
+    # the group, and only an all-reduce of each rank's gradient shard crosses between the groups.
+    shard_size = args.shard_size or world_size
+    if world_size % shard_size:
+        raise SystemExit(f"error: --shard-size {shard_size} must divide the number of ranks ({world_size})")
+    mesh = init_device_mesh(device.type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+    # The rows are dealt over dp; cp, the inner dimension, groups --cp-size consecutive ranks (a node's
+    # GPUs, on NVLink) that split each row's tokens. FSDP shards over them all (the mesh above): the cp
+    # ranks hold the same weights as the dp ranks do, and sharding them over more ranks costs nothing more.
+    check_cp_layout(args, world_size, shard_size)
+    dp_size = world_size // args.cp_size
+    cp_mesh = init_device_mesh(device.type, (dp_size, args.cp_size), mesh_dim_names=("dp", "cp"))
+    dp_rank = cp_mesh["dp"].get_local_rank()
+
+    # --- 2. Config and tokenizer ---
+    # Everything that can fail on bad input happens before anything is written.
+    common.check_save_dir(args.save_dir)
+    with common.rank0_first(local=args.node_local_cache):
+        config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
+    # The export is in the dtype the model was published in (bf16 for most), not in training's fp32.
+    # Read it now: building the model in fp32 overwrites config.dtype.
+    export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
+
+    # --- 3. Data: tokenized, packed into rows, validation rows held out ---
+    with common.rank0_first(local=args.node_local_cache):
+        train_data, val_data = common.load_and_pack(args.dataset_name, tokenizer, args.seq_length, args.val_fraction)
+    # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows on every dp
+    # rank; the ranks of a cp group share their rows, each a slice of the tokens.
+    global_batch_rows = dp_size * args.batch_size * args.grad_accum_steps
+    steps_per_epoch = len(train_data) // global_batch_rows
+    val_rows = len(val_data) if val_data is not None else 0
+    if steps_per_epoch == 0 or 0 < val_rows < dp_size * args.batch_size:
+        raise SystemExit(
+            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} on {dp_size} dp ranks "
+            f"is larger than the dataset ({len(train_data)} training and {val_rows} validation rows of "
+            f"{args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
+        )
+    total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
+    logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
+
+    # --- 4. Model ---
+    # Only rank 0 ever holds the whole model, on the CPU, built as before (the same seed, the same weights);
+    # the others wait on the job's store (rank0_first) for as long as a download takes, not in a collective.
+    torch.manual_seed(args.seed)
+    with common.rank0_first():
+        full_model = build_model(args, config) if rank == 0 else None
+    # Every rank builds the structure on the meta device (shapes, no memory) and allocates only its shards.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if args.activation_checkpointing:
+        # Each block keeps only its input (selective: and its matmuls' and attention's outputs); the rest
+        # is recomputed during backward.
+        options = common.checkpointing_options(args.activation_checkpointing)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    # Found once, now: fully_shard changes each block's class, and then the names would not match.
+    blocks = common.transformer_blocks(model)
+    check_cp_model(model, args)
+    parallelize(model, blocks, mesh, args, dtype, use_compile)
+    model.to_empty(device="cpu" if args.cpu_offload else device)
+    send_full_weights(model, full_model, device)
+    del full_model
+    num_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its full size
+    logger.info(f"{num_params:,} parameters, sharded over {shard_size} ranks; rows split over {args.cp_size} cp ranks")
+
+    # --- 5. Optimizer and LR schedule ---
+    optimizer = torch.optim.AdamW(
+        common.adamw_param_groups(model, args.weight_decay),
+        lr=args.lr,
+        betas=(0.9, args.beta2),
+        fused=device.type == "cuda" and not args.cpu_offload,
+    )
+    # Linear warmup from 0 over --warmup-steps, then cosine decay to 10% of --lr at the last step.
+    lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, args.warmup_steps, total_steps, min_lr_rate=0.1
+    )
+
+    # --- 6. Resume from the last checkpoint, if there is one ---
+    exp_dir = Path(args.save_dir) / args.experiment_name
+    # The data position counts steps of global_batch_rows rows of seq_length tokens.
+    layout = {"global_batch_rows": global_batch_rows, "seq_length": args.seq_length}
+    # One wandb id for the job, drawn by rank 0: every rank must name its run after the same id.
+    wandb_run_id = [secrets.token_hex(4)]
+    dist.broadcast_object_list(wandb_run_id, src=0)
+    state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": wandb_run_id[0], **layout}
+    state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log line: a resumed run logs the same mean
+    checkpoint = common.latest_checkpoint(exp_dir)
+    # Every rank must resume from the same step. A --save-dir on each node's own disk would let
+    # the ranks of other nodes silently start over: check against what rank 0 sees.
+    rank0_checkpoint = [checkpoint]
+    dist.broadcast_object_list(rank0_checkpoint, src=0)
+    if checkpoint != rank0_checkpoint[0]:
+        raise SystemExit(
+            f"error: rank {rank} on {socket.gethostname()} finds checkpoint {checkpoint}, rank 0 finds "
+            f"{rank0_checkpoint[0]}: --save-dir must be one folder shared by all nodes"
+        )
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
+        common.check_resume(checkpoint, state, layout)
+        logger.info(f"Resumed from {checkpoint} at step {state['global_step']}")
+
+    # --- 7. Train ---
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    metrics_file = exp_dir / "metrics.jsonl" if rank == 0 else None  # rank 0 writes the job's metrics
+    init_wandb(args, exp_dir, state["wandb_run_id"])
+
+    tokens_per_step = global_batch_rows * args.seq_length
+    flops_per_step = tokens_per_step * common.flops_per_token(model, config, args.seq_length)
+    peak_flops = common.peak_bf16_flops(device)
+    timers = common.PhaseTimers(device)
+    guard = common.NonFiniteGuard(device)
+    stop = common.StopSignal()
+    async_saves = common.AsyncCheckpoints(args.dist_timeout, device, optimizer) if args.async_checkpoints else None
+    postfix = {}  # what the progress bar shows after the counts
+    running_loss = state["running_loss"]
+    steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
+
+    def due(every):  # every `every` steps, and at the last one
+        return state["global_step"] % every == 0 or state["global_step"] == total_steps
+
+    with tqdm.tqdm(
+        total=total_steps,
+        initial=state["global_step"],
+        desc="training",
+        dynamic_ncols=True,
+        disable=rank != 0,
+    ) as progress:
+        model.train()
+        stopping = None
+        while state["global_step"] < total_steps and not stopping:
+            # Each dp rank takes every dp_size-th row of the same permutation. By dp rank, not by rank:
+            # the ranks of a cp group must see the same rows, each keeping its slice of their tokens.
+            sampler = DistributedSampler(train_data, dp_size, dp_rank, shuffle=True, seed=args.seed, drop_last=True)
+            sampler.set_epoch(state["epoch"])
+            # On resume, the batches this epoch already trained on are skipped by index, never loaded.
+            indices = list(sampler)[state["epoch_step"] * global_batch_rows // dp_size :]
+            dataloader = DataLoader(
+                train_data, args.batch_size, sampler=indices, drop_last=True, pin_memory=device.type == "cuda"
+            )
+            batches = iter(dataloader)
+
+            for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
+                loss, grad_norm = train_step(
+                    model, batches, optimizer, lr_scheduler, args, timers, autocast, device, cp_mesh
+                )
+
+                state["global_step"] += 1
+                state["epoch_step"] += 1
+                progress.update()
+                # Accumulated on the device: calling .item() every step would wait for the GPU every step.
+                running_loss += loss
+                steps_since_log += 1
+                guard.update(state["global_step"], loss, grad_norm)
+                if async_saves:
+                    async_saves.poll()  # a save that failed (a full disk) stops the job at the next step
+
+                # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
+                stopping = stop.agreed(device)
+                if due(args.log_freq):
+                    timings = timers.summary(steps_since_log)  # waits for the GPU: elapsed then covers all queued work
+                    elapsed = time.perf_counter() - log_start
+                    guard.check()
+                    metrics = {
+                        "step": state["global_step"],
+                        "epoch": state["epoch"],
+                        "loss": running_loss.item() / steps_since_log,
+                        "lr": lr_scheduler.get_last_lr()[0],
+                        "grad_norm": grad_norm.item(),
+                        "tokens_per_s": steps_since_log * tokens_per_step / elapsed,
+                        **timings,
+                        **common.memory_stats(device),
+                        **common.shard_memory(model, optimizer),
+                    }
+                    if peak_flops:
+                        metrics["mfu"] = steps_since_log * flops_per_step / elapsed / (world_size * peak_flops)
+                    common.log_metrics(metrics, metrics_file)
+                    postfix.update(loss=f"{metrics['loss']:.3f}", tokens_per_s=f"{metrics['tokens_per_s']:.0f}")
+                    progress.set_postfix(postfix)
+                    running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
+
+                if val_data is not None and not stopping and due(args.eval_every):
+                    val_loss = evaluate(model, val_data, args, device, autocast, cp_mesh)
+                    common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
+                    postfix.update(val_loss=f"{val_loss:.3f}")
+                    progress.set_postfix(postfix)
+                    log_start = time.perf_counter()  # evaluating is not training: keep it out of tokens/s
+
+                if due(args.ckpt_freq) or stopping:
+                    guard.check()  # a model with NaN weights never becomes a checkpoint
+                    state["running_loss"], state["steps_since_log"] = float(running_loss), steps_since_log
+                    # Every rank writes its own shards; rank 0 adds the rest and publishes the checkpoint.
+                    with timers("checkpoint"):  # what the save costs the training loop
+                        save_checkpoint(
+                            exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints, async_saves
+                        )
+                    log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
+                if stopping:
+                    break
+
+            if state["epoch_step"] == steps_per_epoch:
+                state["epoch"] += 1
+                state["epoch_step"] = 0
+
+    # --- 8. Export ---
+    if async_saves:
+        async_saves.close()  # a stop, and the end, wait for the last checkpoint to be written and published
+    if args.export_hf and not stopping:
+        export_hf(model, config, tokenizer, args.export_hf, export_dtype)
+    if stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
+        logger.info(f"Stopped by {stopping} at step {state['global_step']}: rerun the same command to resume")
+    else:
+        wandb.finish()
+        logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
+    dist.destroy_process_group()
+
+
+def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device, cp_mesh):
+    """One optimizer step on --grad-accum-steps micro-batches from `batches`. Returns the step's loss
+    and gradient norm, on the device: reading them would wait for the GPU."""
+    step_loss = 0.0
+    for micro_step in range(args.grad_accum_steps):
+        # FSDP reduce-scatters every micro-step's gradients and adds them to the sharded ones: DDP's way
+        # (no sync till the last) would keep a full fp32 gradient on every rank, 30 GiB at 8B. With HSDP,
+        # the all-reduce between replicas waits for the last micro-step.
+        model.set_requires_all_reduce(micro_step == args.grad_accum_steps - 1)
+        # Attention runs as ring attention from forward to the end of backward, which passes the keys'
+        # and values' gradients around the ring too: entered here, closed after backward.
+        ring = contextlib.ExitStack()
+        with timers("data"):
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            batch = ring.enter_context(shard_sequences(batch, cp_mesh["cp"]))
+
+        with timers("forward"), autocast():
+            # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
+            # Each micro-batch's mean loss is divided by their number: the gradients they add up
+            # to are those of the mean loss over all rows of the step, as one big batch would give.
+            loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
+
+        with timers("backward"):
+            loss.backward()
+        ring.close()
+        step_loss += loss.detach()
+    # Each rank trained on other rows: the job's loss is their mean (one number, no wait for the GPU).
+    dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+    step_loss /= dist.get_world_size()
+
+    with timers("optimizer"):
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step_loss, grad_norm
+
+
+def build_model(args, config):
+    """The model in fp32 on the CPU: from the config, with random weights drawn from the seed, or with
+    --from-pretrained the published weights (a first run downloads them)."""
+    if not args.from_pretrained:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        return AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
+    except OSError as err:
+        raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
+
+
+def send_full_weights(model, full_model, device):
+    """Rank 0's full weights (`full_model`, None on the other ranks), sent tensor by tensor into every
+    rank's shards of `model`."""
+    rank = dist.get_rank()
+    full_state = full_model.state_dict() if rank == 0 else {}
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Buffers outside the state dict (Llama's rotary frequencies) are not sent: send them too, to
+    # the device, where the model computes (with --cpu-offload, to_empty left them on the CPU).
+    for name, buffer in model.named_buffers():
+        value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty_like(buffer, device=device)
+        dist.broadcast(value, src=0)
+        module_name, _, buffer_name = name.rpartition(".")
+        setattr(model.get_submodule(module_name), buffer_name, value)
+
+
+def parallelize(model, blocks, mesh, args, dtype, use_compile):
+    """What the chapter does to the model, in the order it must be done (torchtitan's parallelize_llama
+    is the model; main() has switched on activation checkpointing): compile, then FSDP."""
+    if use_compile:
+        # Each block compiled on its own: FSDP's hooks between blocks stay outside the compiled code.
+        # Whole, or not at all (fullgraph): a graph break would silently split a block into pieces, each
+        # compiled apart, with the collectives and casts between them left uncompiled.
+        for block in blocks:
+            block.compile(fullgraph=True)
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
+    # A 2-D mesh is HSDP to fully_shard; with one group, its 1-D shard dimension is plain FSDP.
+    fsdp_mesh = mesh if mesh["replicate"].size() > 1 else mesh["shard"]
+    apply_fsdp(model, blocks, fsdp_mesh, mp_policy, offload_policy)
+
+
+def check_cp_layout(args, world_size, shard_size):
+    """Refuses a --cp-size the ranks or the rows cannot be split by."""
+    if world_size % args.cp_size or shard_size % args.cp_size:
+        raise SystemExit(
+            f"error: --cp-size {args.cp_size} must divide the number of ranks ({world_size}) and --shard-size ({shard_size})"
+        )
+    if args.seq_length % (2 * args.cp_size):
+        raise SystemExit(
+            f"error: --cp-size {args.cp_size} cuts each row into {2 * args.cp_size} chunks (a head and a tail per "
+            f"rank, for an even causal load): --seq-length {args.seq_length} must be a multiple of {2 * args.cp_size}"
+        )
+
+
+def check_cp_model(model, args):
+    """Refuses a model whose attention the ring cannot run, and has the others' attention called with no
+    mask. The ring replaces SDPA's causal kernels, whole rows only: no sliding window, no mask, no other
+    attention. HF builds a mask from position ids that jump (as a rank's head and tail chunks do, to
+    HF a row of packed documents); an attention function it has no mask function for gets none."""
+    if args.cp_size == 1:
+        return
+    config, name = model.config, type(model).__name__
+    other_layers = set(getattr(config, "layer_types", None) or []) - {"full_attention"}
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    problem = (
+        f"its attention is {config._attn_implementation!r}, not SDPA" if config._attn_implementation != "sdpa"
+        else f"it has {', '.join(sorted(other_layers))} layers" if other_layers
+        else f"it attends within a sliding window of {window} tokens" if window and window < args.seq_length
+        else "it caps attention's logits" if getattr(config, "attn_logit_softcapping", None)
+        else None
+    )  # fmt: skip
+    if problem:
+        raise SystemExit(
+            f"error: --cp-size {args.cp_size}: ring attention cannot run {name}: {problem}; use --cp-size 1"
+        )
+    AttentionInterface.register("sdpa_context_parallel", sdpa_attention_forward)
+    model.set_attn_implementation("sdpa_context_parallel")
+
+
+@contextlib.contextmanager
+def shard_sequences(batch, cp_mesh):
+    """The batch as this cp rank's slice of every row: each row cut into 2 x cp chunks, the rank keeping
+    the head chunk r and the tail chunk 2cp-1-r (the causal work even), with SDPA as ring attention
+    meanwhile. The labels are shifted on the whole row first: a slice's last token predicts the next
+    slice's first. Position ids are sliced alike, or each slice would be rotated as positions 0, 1, ...
+    Each rank's loss is the sum of its tokens' losses over its share of the rows' tokens (a rank's count
+    differs: the row's last token predicts nothing). The mean over a cp group's ranks is then the rows'
+    mean loss, and FSDP, which averages the gradients over all ranks, cp ranks included, averages over
+    the dp ranks the gradients of their rows' mean: chapter 04's."""
+    if cp_mesh.size() == 1:  # chapter 04's step
+        yield batch
+        return
+    if set(batch) != {"input_ids", "labels"}:
+        extra = ", ".join(sorted(set(batch) - {"input_ids", "labels"}))
+        raise SystemExit(
+            f"error: --cp-size {cp_mesh.size()}: rows with {extra} need an attention mask, which the ring cannot take"
+        )
+    input_ids = batch["input_ids"]
+    labels = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids).contiguous()
+    num_items = (labels != -100).sum() / cp_mesh.size()
+    input_ids = input_ids.clone()  # sliced in place; the batch's labels may be the same tensor
+    buffers = [input_ids, labels, position_ids]
+    with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
+        # HF computes the loss when given labels; shift_labels says they are shifted already.
+        yield {"input_ids": input_ids, "position_ids": position_ids, "labels": labels, "shift_labels": labels,
+               "num_items_in_batch": num_items}  # fmt: skip
+
+
+def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
+    """Shards the input embeddings, each block and the output head as units of their own, then the root
+    (the rest). A unit's weights are all-gathered just before its forward and backward, and its gradients
+    reduce-scattered when ready, while the next unit computes. The root's are gathered all step and
+    reduced last: the embeddings and head, the largest weights, stay out of it unless tied (one weight)."""
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    tied = model.config.tie_word_embeddings
+    if not tied:
+        shard(model.get_input_embeddings())
+    for block in blocks:
+        shard(block)
+    if not tied:
+        # Backward needs the head right after forward: kept gathered in between, not gathered twice.
+        shard(model.get_output_embeddings(), reshard_after_forward=False)
+    shard(model)
+
+
+def init_distributed(args, device_type, local_rank):
+    """Joins this process to the job (torchrun said where to find the others), and returns its device:
+    the GPU of its local rank, or the CPU. A collective that waits longer than the timeout fails instead
+    of hanging forever."""
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # With --cpu-offload the shards and their gradients live on the CPU, and collectives over
+        # them (clipping's norm) need a CPU backend beside NCCL.
+        backend = "cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl"
+        dist.init_process_group(backend, timeout=timedelta(minutes=args.dist_timeout), device_id=device)
+    else:
+        if args.cpu_offload:
+            raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
+    return device
+
+
+def init_wandb(args, exp_dir, run_id):
+    """The run's wandb runs: one per rank (each rank's timings and memory are its own), grouped by job.
+    Their ids come from the checkpoint, as in chapter 01: a new run never continues an old one."""
+    rank = dist.get_rank()
+    wandb_dir = exp_dir / f"rank-{rank}"
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    wandb.init(
+        dir=wandb_dir,
+        id=f"{run_id}-{rank}",
+        name=f"{args.experiment_name}-rank-{rank}",
+        group=f"{args.experiment_name}-{run_id}",
+        resume="allow",
+        config=vars(args),
+        mode=common.wandb_mode(),
+    )
+
+
+def export_hf(model, config, tokenizer, folder, dtype):
+    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer.
+
+    The full weights are gathered onto rank 0's CPU, and rank 0 alone writes them, while the others
+    go on to the end of the job.
+    """
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return
+    with torch.device("meta"):
+        export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    export_model.load_state_dict({name: value.to(dtype) for name, value in full_state.items()}, assign=True)
+    export_model.tie_weights()  # converted one by one, tied weights became two tensors again
+    export_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    logger.info(f"Exported the model to {folder} in {dtype}")
+
+
+def evaluate(model, val_data, args, device, autocast, cp_mesh) -> float:
+    """The mean loss over the first --eval-batches global batches of the validation rows, without
+    gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
+    global_batch = cp_mesh["dp"].size() * args.batch_size
+    rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
+    # Each dp rank takes every dp_size-th row, and the sum of the batches' mean losses is all-reduced:
+    # each cp rank's loss estimates its batch's mean, so their sum over a cp group counts it cp times.
+    sampler = DistributedSampler(
+        rows, num_replicas=cp_mesh["dp"].size(), rank=cp_mesh["dp"].get_local_rank(), shuffle=False
+    )
+    total = torch.zeros((), device=device)
+    model.eval()
+    with torch.no_grad(), autocast():
+        for batch in DataLoader(rows, sampler=sampler, batch_size=args.batch_size):
+            with shard_sequences({k: v.to(device) for k, v in batch.items()}, cp_mesh["cp"]) as batch:
+                total += model(**batch, use_cache=False).loss.float()
+    model.train()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.item() / (len(rows) // args.batch_size * cp_mesh["cp"].size())
+
+
+def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):
+    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position. With
+    `async_saves`, it returns while the shards are copied to CPU memory; async_saves publishes them once written."""
+    final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
+    # Written under a temporary name and renamed when complete: a crash mid-save leaves no
+    # checkpoint that resume would trust.
+    tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
+    rank = dist.get_rank()
+    with common.saving(tmp_dir, state["global_step"]):
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            tmp_dir.mkdir(parents=True)
+        dist.barrier()
+        # Every rank writes its own shards, in parallel, and DCP records where each shard sits in the
+        # full tensor: a job with another number of ranks can load them, resharded.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        shards = {"model": model_state, "optimizer": optimizer_state}
+        if async_saves:
+            async_saves.start(shards, tmp_dir, final_dir, state["global_step"], keep)
+        else:
+            dcp.save(shards, checkpoint_id=tmp_dir)
+        if rank == 0:
+            torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
+            # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
+            torch.save(common.rng_state(device), tmp_dir / "rng.pt")
+            (tmp_dir / "state.json").write_text(json.dumps(state))
+            if not async_saves:
+                common.publish_checkpoint(tmp_dir, final_dir, keep)
+                logger.info(f"Saved {final_dir}")
+    # No rank runs ahead (and may crash) before the checkpoint is complete (or, asynchronous, under way).
+    dist.barrier()
+
+
+def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
+    with common.loading(checkpoint):
+        # DCP loads in place into this run's shards, whatever the number of ranks that saved them.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        shards = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(shards, checkpoint_id=checkpoint)
+        set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
+        lr_scheduler.load_state_dict(torch.load(checkpoint / "lr_scheduler.pt"))
+        common.set_rng_state(torch.load(checkpoint / "rng.pt"), device)
+        return json.loads((checkpoint / "state.json").read_text())
+
+
+def get_parser():
+    parser = common.base_parser(__doc__, __file__)
+    add = parser.add_argument
+    add("--dist-timeout", type=common.positive_float, default=10, help="minutes a collective may wait, then fails")
+    add("--node-local-cache", action="store_true", help="HF_HOME is on each node's disk: each node prepares the data")
+    add("--shard-size", type=common.positive_int, help="ranks that shard the model (default: all; fewer: HSDP)")
+    add("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
+    add("--async-checkpoints", action="store_true", help="write checkpoints beside training")
+    add("--cp-size", type=common.positive_int, default=1, help="ranks that split each row's tokens (context parallel)")
+    return parser
+
+
+if __name__ == "__main__":
+    main()
