@@ -191,7 +191,7 @@ def main():
     tokens_per_step = global_batch_rows * args.seq_length
     flops_per_step = tokens_per_step * common.flops_per_token(model, config, args.seq_length)
     peak_flops = common.peak_bf16_flops(device)
-    timers = common.PhaseTimers(device)
+    timers = common.PhaseTimers(device, compare_ranks=True, blocks=blocks)  # blocks: timed without FSDP's waits
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
     async_saves = common.AsyncCheckpoints(args.dist_timeout, device, optimizer) if args.async_checkpoints else None

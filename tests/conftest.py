@@ -100,6 +100,22 @@ def ddp_reference(tmp_path_factory, hf_home):
 
 
 @pytest.fixture(scope="session")
+def fsdp_reference(tmp_path_factory, hf_home):
+    """Chapter 04 on 2 ranks for 12 steps of FAST_ARGS (8 rows per step), exported with --export-hf (to
+    `hf`), its weights' bytes probed (`state.json`) and what it printed kept (`stderr.txt`): the run
+    chapter 04's tests check, and the one chapter 07's context parallel layouts must equal."""
+    from harness import FAST_ARGS, run_chapter
+
+    def run(save_dir):
+        args = [*FAST_ARGS, "--max-steps", "12", "--save-dir", str(save_dir), "--export-hf", str(save_dir / "hf")]
+        probe = {"PROBE_STATE_BYTES": save_dir / "state.json"}
+        proc = run_chapter("04-fsdp", *args, nproc=2, hf_home=hf_home, faults=probe)
+        (save_dir / "stderr.txt").write_text(proc.stderr)
+
+    return _shared_run(tmp_path_factory, "fsdp_reference", run)
+
+
+@pytest.fixture(scope="session")
 def chapter_01_reference(tmp_path_factory, hf_home):
     """Chapter 01 for 12 steps of FAST_ARGS with ddp_reference's global batch (2 ranks x 4 rows): what
     chapter 02 must reproduce, and one of the runs the plot test draws."""

@@ -52,11 +52,11 @@ def test_equal_ranks_name_no_straggler(straight_run):
     assert_names_no_straggler((straight_run.parent / "ddp.stderr").read_text(), read_metrics(straight_run))
 
 
-@pytest.mark.parametrize("fault, cause", [("FAULT_SLOW_BATCH", "slow data path"), ("FAULT_SLOW_BLOCK", "slow GPU")])
-def test_a_slow_rank_is_named_and_no_other(tmp_path, hf_home, fault, cause):
-    """DDP's forward has no collective (broadcast_buffers=False): rank 0 waits for rank 1's slow batch or
-    slow forward in backward's all-reduce, and its backward, not rank 1's, takes longer."""
-    assert_names_rank_1(*straggler_run(CHAPTER, tmp_path, hf_home, fault), cause)
+def test_a_slow_rank_is_named_and_no_other(tmp_path, hf_home):
+    """DDP's forward has no collective (broadcast_buffers=False): rank 0 waits for rank 1's slow batch in
+    backward's all-reduce, and its backward, not rank 1's, takes longer. (A slow forward is test_04's:
+    the data and compute times add up the same way under DDP and FSDP.)"""
+    assert_names_rank_1(*straggler_run(CHAPTER, tmp_path, hf_home, "FAULT_SLOW_BATCH"), "slow data path")
 
 
 @pytest.fixture(scope="module")

@@ -34,24 +34,20 @@ def ddp_run(ddp_reference):
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory, hf_home):
-    save_dir = tmp_path_factory.mktemp("fsdp")
-    args = [*ARGS, "--save-dir", str(save_dir), "--export-hf", str(save_dir / "hf")]
-    proc = run_chapter(CHAPTER, *args, nproc=2, hf_home=hf_home, faults={"PROBE_STATE_BYTES": save_dir / "state.json"})
-    (save_dir / "stderr.txt").write_text(proc.stderr)
-    return save_dir
+def fsdp_run(fsdp_reference):
+    """Chapter 04 on 2 ranks for 12 steps, exported (conftest.py)."""
+    return fsdp_reference
 
 
 def test_equal_ranks_name_no_straggler(fsdp_run):
     assert_names_no_straggler((fsdp_run / "stderr.txt").read_text(), read_metrics(fsdp_run / CHAPTER))
 
 
-@pytest.mark.parametrize("fault, cause", [("FAULT_SLOW_BATCH", "slow data path"), ("FAULT_SLOW_BLOCK", "slow GPU")])
-def test_a_slow_rank_is_named_and_no_other(tmp_path, hf_home, fault, cause):
-    """FSDP's forward holds collectives: the root's all-gather, where rank 0 waits for rank 1's slow batch,
-    and each block's, where it waits for rank 1's slow block before it. Its forward then takes as long
-    as rank 1's; only the blocks' own compute (timed after FSDP's all-gather has arrived) tells them apart."""
-    assert_names_rank_1(*straggler_run(CHAPTER, tmp_path, hf_home, fault), cause)
+def test_a_slow_rank_is_named_and_no_other(tmp_path, hf_home):
+    """FSDP's forward holds collectives: each block's all-gather, where rank 0 waits for rank 1's slow
+    block before it. Its forward then takes as long as rank 1's; only the blocks' own compute (timed after
+    FSDP's all-gather has arrived) tells them apart. (A slow data path is test_02's.)"""
+    assert_names_rank_1(*straggler_run(CHAPTER, tmp_path, hf_home, "FAULT_SLOW_BLOCK"), "slow GPU")
 
 
 def test_matches_ddp(ddp_run, fsdp_run):
@@ -287,16 +283,16 @@ def test_errors_are_the_last_lines_under_torchrun(tmp_path, hf_home, interrupted
     assert message in last_lines(proc.stderr), last_lines(proc.stderr)
 
 
-def test_exported_model_loads_and_matches_the_checkpoint(fsdp_run):
+def test_exported_model_loads_and_matches_the_checkpoint(fsdp_run, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     exported = AutoModelForCausalLM.from_pretrained(fsdp_run / "hf")
     tokenizer = AutoTokenizer.from_pretrained(fsdp_run / "hf")
     # The sharded model at the end of training, as its DCP checkpoint holds it.
-    dcp_to_torch_save(fsdp_run / CHAPTER / "checkpoints" / f"step-{STEPS:08d}", fsdp_run / "full.pt")
+    dcp_to_torch_save(fsdp_run / CHAPTER / "checkpoints" / f"step-{STEPS:08d}", tmp_path / "full.pt")
     trained = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "common" / "tiny_llama"))
-    trained.load_state_dict(torch.load(fsdp_run / "full.pt")["model"])
+    trained.load_state_dict(torch.load(tmp_path / "full.pt")["model"])
 
     batch = tokenizer(["### Instruction:\nWhat is 12 + 30?\n\n### Response:\n42"], return_tensors="pt")
     with torch.no_grad():

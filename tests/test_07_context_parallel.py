@@ -42,11 +42,9 @@ def assert_equal_to_04(run, reference, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory, hf_home):
-    """Chapter 04 on 2 ranks x 4 rows: the reference, 8 rows of 128 tokens per step."""
-    save_dir = tmp_path_factory.mktemp("fsdp")
-    run_chapter("04-fsdp", *ARGS, "--save-dir", str(save_dir), nproc=2, hf_home=hf_home)
-    return save_dir / "04-fsdp"
+def fsdp_run(fsdp_reference):
+    """Chapter 04 on 2 ranks x 4 rows, 12 steps (conftest.py): the reference, 8 rows of 128 tokens per step."""
+    return fsdp_reference / "04-fsdp"
 
 
 @pytest.fixture(scope="module")
