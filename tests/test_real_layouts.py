@@ -24,11 +24,19 @@ from tools.memory import load
 BATCH, SEQ, VOCAB = 1, 256, 4096
 
 
+# The CPU's SDPA kernel and its backward, which chapter 07's cpu_ring_attention hands to the ring.
+RING_ATTENTION = (
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+)
+
+
 class Collectives(torch.utils._python_dispatch.TorchDispatchMode):
     """Records each collective of a step: its kind, the size of its group, and the bytes this rank
     sends in a ring (all-gather: (n-1) x its input; reduce-scatter: (n-1)/n of its input; all-reduce:
     twice that; all-to-all: what goes to the others). And the shape of the embedding's gradient as its
-    backward makes it. A DTensor op is seen as what it runs: context parallel's ring runs inside one."""
+    backward makes it. Context parallel's ring runs inside DTensor's handling of SDPA's ops: those are
+    seen as what they run; the other DTensor ops as ops (what DTensor issues inside them is not counted)."""
 
     def __init__(self):
         super().__init__()
@@ -40,8 +48,8 @@ class Collectives(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
 
-        if any(issubclass(t, DTensor) for t in types):  # DTensor's op first, then what it issues (as CommDebugMode)
-            return NotImplemented
+        if func in RING_ATTENTION and any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor's op first, then the ring's collectives (as CommDebugMode does)
         name = func.overloadpacket.__name__
         if func is torch.ops.aten.embedding_dense_backward.default:
             self.embedding_gradient = func(*args, **(kwargs or {}))
