@@ -1,6 +1,6 @@
-"""Chapters 05 and 06 at the layouts they will run at on a cluster, built in one process.
+"""Chapters 05, 06 and 07 at the layouts they will run at on a cluster, built in one process.
 
-PyTorch's `fake` process-group backend lets this process play rank 0 of a job of 16 or 32 ranks:
+PyTorch's `fake` process-group backend lets this process play rank 0 of a job of 16 to 64 ranks:
 every collective returns at once (with meaningless values), but the chapters' own code runs as it
 would there: chapter 06's FP8 conversion, `apply_tp` and `apply_fsdp` on the real (dp, tp) mesh, the
 float8 TP styles (which gloo cannot run), forward and backward compiled as on a GPU (`aot_eager`
@@ -8,7 +8,8 @@ traces what inductor would compile). Its model has Llama-3.1-8B's widths (hidden
 key/value heads, MLP 14336) and 2 blocks, so that torchao's thresholds choose its FP8 layers as
 they would for the real model, and a small vocabulary. What is checked: the local shapes of every
 weight and gradient, zero graph breaks, the collectives of a step by kind, group and bytes, FP8
-bytes where FP8 is all-gathered, and the bytes against what `python -m tools.plan` predicts.
+bytes where FP8 is all-gathered, and the bytes against what `python -m tools.plan` predicts; for
+chapter 07 (context parallel), also the bytes its ring attention sends.
 """
 
 import collections
@@ -23,10 +24,19 @@ from tools.memory import load
 BATCH, SEQ, VOCAB = 1, 256, 4096
 
 
+# The CPU's SDPA kernel and its backward, which chapter 07's cpu_ring_attention hands to the ring.
+RING_ATTENTION = (
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+)
+
+
 class Collectives(torch.utils._python_dispatch.TorchDispatchMode):
     """Records each collective of a step: its kind, the size of its group, and the bytes this rank
     sends in a ring (all-gather: (n-1) x its input; reduce-scatter: (n-1)/n of its input; all-reduce:
-    twice that). And the shape of the embedding's gradient as its backward makes it."""
+    twice that; all-to-all: what goes to the others). And the shape of the embedding's gradient as its
+    backward makes it. Context parallel's ring runs inside DTensor's handling of SDPA's ops: those are
+    seen as what they run; the other DTensor ops as ops (what DTensor issues inside them is not counted)."""
 
     def __init__(self):
         super().__init__()
@@ -36,6 +46,10 @@ class Collectives(torch.utils._python_dispatch.TorchDispatchMode):
         self.order = []  # (kind, group size, elements of the full buffer), as issued
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if func in RING_ATTENTION and any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor's op first, then the ring's collectives (as CommDebugMode does)
         name = func.overloadpacket.__name__
         if func is torch.ops.aten.embedding_dense_backward.default:
             self.embedding_gradient = func(*args, **(kwargs or {}))
@@ -50,6 +64,9 @@ class Collectives(torch.utils._python_dispatch.TorchDispatchMode):
             elif name == "allreduce_":  # HSDP's between replicas: ([tensor], group, ...)
                 tensor, kind = args[0][0], "all_reduce"
                 n = dist.ProcessGroup.unbox(args[1]).size()
+            elif name == "all_to_all_single":  # (input, output splits, input splits, group): CP's ring
+                group = dist.distributed_c10d._resolve_process_group(args[3])
+                tensor, kind, n, splits = args[0], "all_to_all", group.size(), args[2] or [1] * group.size()
             elif name == "_allgather_base_":  # FSDP: (output, input, group)
                 tensor, kind, n = args[1], "all_gather", args[0].numel() // args[1].numel()
             elif name == "_reduce_scatter_base_":
@@ -58,7 +75,11 @@ class Collectives(torch.utils._python_dispatch.TorchDispatchMode):
                 raise AssertionError(f"a collective this test does not count: {func}")
             data = getattr(tensor, "_data", tensor)  # an FP8 tensor's bytes are its data's
             size = data.numel() * data.element_size()
-            sent = {"all_gather": (n - 1) * size, "reduce_scatter": (n - 1) / n * size}.get(kind, 2 * (n - 1) / n * size)
+            sent = {"all_gather": (n - 1) * size, "reduce_scatter": (n - 1) / n * size}.get(
+                kind, 2 * (n - 1) / n * size
+            )
+            if kind == "all_to_all":  # what goes to the other ranks (the ring's rotation: all of it, to the next)
+                sent = (1 - splits[group.rank()] / sum(splits)) * size
             key = (kind, n, data.element_size())
             self.sent[key] += sent
             self.calls[key] += 1
@@ -99,16 +120,21 @@ def fake_world():
     clear_dtensor_caches()
 
 
-def build(chapter, config, dp, tp, shard=None):
+def build(chapter, config, dp, tp, shard=None, cp=1, checkpointing=None):
     """The model as the chapter builds it on rank 0 of dp x tp ranks, its local weights random; with
-    `shard`, HSDP: sharded over groups of `shard` dp ranks, replicated across them."""
+    `shard`, HSDP: sharded over groups of `shard` dp ranks, replicated across them; with `cp`, chapter
+    07's: sharded over all dp x cp ranks, its attention ready for the ring; with `checkpointing` (the
+    flag's "full" or "selective"), activation checkpointing."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
     from transformers import AutoModelForCausalLM
 
-    from common import transformer_blocks
+    from common import checkpointing_options, transformer_blocks
 
-    if shard:  # the chapters' 3-D mesh
+    if cp > 1:  # chapter 07's FSDP mesh (one group: plain FSDP)
+        mesh = init_device_mesh("cpu", (1, dp * cp), mesh_dim_names=("replicate", "shard"))
+        fsdp_mesh = mesh["shard"]
+    elif shard:  # the chapters' 3-D mesh
         mesh = init_device_mesh("cpu", (dp // shard, shard, tp), mesh_dim_names=("replicate", "shard", "tp"))
         fsdp_mesh = mesh["replicate", "shard"]
     else:
@@ -116,8 +142,16 @@ def build(chapter, config, dp, tp, shard=None):
         fsdp_mesh = mesh["dp"]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if checkpointing:  # as the chapters' main switches it on
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_options(checkpointing))
     blocks = transformer_blocks(model)
-    if hasattr(chapter, "apply_float8"):
+    if cp > 1:  # its checks, and SDPA called with no mask
+        args = chapter.get_parser().parse_args(
+            ["--cp-size", str(cp), "--seq-length", str(config.max_position_embeddings)]
+        )
+        chapter.check_cp_layout(args, dp * cp, dp * cp)
+        chapter.check_cp_model(model, args)
+    elif hasattr(chapter, "apply_float8"):
         args = chapter.get_parser().parse_args(["--tp-size", str(tp), "--fp8-emulate", "--fp8-layers", "fast"])
         chapter.apply_float8(blocks, args, fp8_all_gather=True)
         chapter.apply_tp(model, blocks, mesh["tp"], fp8_all_gather=True)  # the float8 styles, as on GPUs
@@ -245,7 +279,12 @@ def test_hsdp_x_tp_layout_sends_what_the_planner_counts(fake_world, tmp_path):
         train_step(chapter, model, fp8=False)
     kinds = {(kind, n) for kind, n, size in collectives.sent}
     # Over tp also loss parallel's all-reduces (a few numbers per token).
-    assert kinds == {("all_gather", 2), ("reduce_scatter", 2), ("all_reduce", 2), *[(k, 8) for k in ("all_gather", "reduce_scatter", "all_reduce")]}
+    assert kinds == {
+        ("all_gather", 2),
+        ("reduce_scatter", 2),
+        ("all_reduce", 2),
+        *[(k, 8) for k in ("all_gather", "reduce_scatter", "all_reduce")],
+    }
     sent = collections.Counter()
     for (kind, n, size), sent_bytes in collectives.sent.items():
         sent["tp" if n == 8 else "replicate" if kind == "all_reduce" else "shard"] += sent_bytes
@@ -275,7 +314,10 @@ def test_gradient_accumulation_holds_sharded_gradients_at_8b(fake_world):
     mesh = init_device_mesh("cpu", (1, 8), mesh_dim_names=("replicate", "shard"))
     argv = ["--batch-size", "2", "--seq-length", "4096", "--grad-accum-steps", "2"]
     peak = tracked_peak(load("04-fsdp"), AutoConfig.from_pretrained(shape), mesh, argv)
-    planned = {key: value / 2**30 for key, value in plan(count(str(shape)), Layout("FSDP", 8), 2, 4096, 2, False, compiled=False).items()}
+    planned = {
+        key: value / 2**30
+        for key, value in plan(count(str(shape)), Layout("FSDP", 8), 2, 4096, 2, False, compiled=False).items()
+    }
     state = peak["Sharded Param"] + peak["Sharded Grad"] + peak["OptState"]
     assert peak["Unsharded Grad"] == 0 and peak["Sharded Grad"] == pytest.approx(planned["gradients"], rel=0.05), peak
     assert state == pytest.approx(planned["weights"] + planned["gradients"] + planned["optimizer"], rel=0.05), peak
@@ -305,9 +347,90 @@ def test_fsdp_x_tp_holds_what_the_planner_counts(fake_world, tmp_path):
     argv = ["--tp-size", "8", "--batch-size", "8", "--seq-length", "4096", "--activation-checkpointing"]
     peak = tracked_peak(load("05-tensor-parallel"), AutoConfig.from_pretrained(tmp_path), mesh, argv)
     layout = Layout("FSDP x TP", 32, 8, checkpointing="full")
-    planned = {key: value / 2**30 for key, value in plan(count(str(tmp_path)), layout, 8, 4096, 2, False, compiled=False).items()}
+    planned = {
+        key: value / 2**30
+        for key, value in plan(count(str(tmp_path)), layout, 8, 4096, 2, False, compiled=False).items()
+    }
     assert peak["Sharded Param"] == pytest.approx(planned["weights"], rel=0.01), peak
     assert peak["OptState"] == pytest.approx(planned["optimizer"], rel=0.01), peak
     activations = peak["Activation"] + peak["Temp"]
     assert activations == pytest.approx(planned["activations"] + planned["loss backward"], rel=0.01), (peak, planned)
-    assert peak["Sharded Grad"] == 0 and peak["Total"] == pytest.approx(planned["total"] - planned["gradients"], rel=0.03)
+    assert peak["Sharded Grad"] == 0 and peak["Total"] == pytest.approx(
+        planned["total"] - planned["gradients"], rel=0.03
+    )
+
+
+@pytest.fixture
+def context_parallel_restored():
+    """context_parallel swaps torch's SDPA, DTensor's op handlers and its own options while it is active,
+    and the chapter's CPU registration adds to its table for good: all put back, pass or fail."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental._context_parallel import _attention, _sharding_rules
+    from transformers import AttentionInterface
+
+    functional, dispatcher = torch.nn.functional, DTensor._op_dispatcher
+    saved = [dict(_attention.custom_ops), vars(_attention._cp_options).copy(), _attention._dispatch_mode]
+    saved += [
+        dispatcher._custom_op_handlers,
+        functional.scaled_dot_product_attention,
+        dict(AttentionInterface._global_mapping),
+    ]
+    yield
+    custom_ops, options, _attention._dispatch_mode, dispatcher._custom_op_handlers, sdpa, attention = saved
+    functional.scaled_dot_product_attention = sdpa
+    _sharding_rules.unregister_cp_sharding_rules()
+    for table, old in [
+        (_attention.custom_ops, custom_ops),
+        (vars(_attention._cp_options), options),
+        (AttentionInterface._global_mapping, attention),
+    ]:
+        table.clear()
+        table.update(old)
+
+
+def test_context_parallel_ring_sends_what_the_planner_counts(fake_world, context_parallel_restored, tmp_path):
+    """Chapter 07 at 8 nodes x 8 GPUs, cp 8 inside each node (8 dp), Llama-3.1-8B's widths (1 block: a block
+    at 8B costs seconds here, and the ring does the same in each), with full activation checkpointing as
+    at 131k tokens, one forward and backward in the chapter's `shard_sequences`. The ring (torch's default
+    rotation: keys and values all-gathered once per pass) gathers each block's keys and values (key/value
+    heads only) over the 8 cp ranks in forward, again in the recomputed forward and in backward, and
+    passes their gradients (fp32) on to the next rank cp times; FSDP's collectives span all 64 ranks.
+    Each as the planner counts it, within 1%."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tools.plan import Layout, count, plan
+
+    dp, cp, seq = 8, 8, 128  # 16 tokens per rank: a head and a tail chunk of 8
+    fake_world(dp * cp)
+    chapter = load("07-context-parallel")
+    chapter.cpu_ring_attention.register(torch.device("cpu"))
+    config = config_8b_widths()
+    config.num_hidden_layers, config.max_position_embeddings = 1, seq
+    model, _ = build(chapter, config, dp, tp=1, cp=cp, checkpointing="full")
+    cp_mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+    input_ids = torch.randint(0, VOCAB, (BATCH, seq))
+    sharded = chapter.shard_sequences({"input_ids": input_ids, "labels": input_ids}, cp_mesh["cp"])
+    with Collectives() as collectives, sharded as batch:  # backward inside: it runs the ring too
+        assert batch["input_ids"].shape == (BATCH, seq // cp)
+        loss = model(**batch, use_cache=False).loss
+        forward = collectives.calls.copy()
+        loss.backward()
+    assert {n for kind, n, size in collectives.sent} == {cp, dp * cp}, collectives.calls
+    ring = {key: calls for key, calls in collectives.calls.items() if key[1] == cp}
+    layers = config.num_hidden_layers
+    assert {key: calls for key, calls in forward.items() if key[1] == cp} == {("all_gather", cp, 4): layers}
+    assert ring == {("all_gather", cp, 4): 3 * layers, ("all_to_all", cp, 4): cp * layers}, ring
+    # Each rotation carries this rank's keys and values: 2 x tokens x (key/value heads x head dim).
+    kv_numel = 2 * seq // cp * config.num_key_value_heads * config.head_dim
+    assert {(kind, numel) for kind, n, numel in collectives.order if n == cp} == {
+        ("all_gather", cp * kv_numel),
+        ("all_to_all", kv_numel),
+    }
+    sent_cp = sum(b for (kind, n, size), b in collectives.sent.items() if n == cp)
+    sent_dp = sum(b for (kind, n, size), b in collectives.sent.items() if n == dp * cp)
+
+    config.save_pretrained(tmp_path)
+    layout = Layout("asked", dp * cp, checkpointing="full", cp=cp)
+    planned = plan(count(str(tmp_path)), layout, BATCH, seq, compute_bytes=4, fp8=False)
+    assert sent_cp == pytest.approx(planned["sent_cp"], rel=0.01)
+    assert sent_dp == pytest.approx(planned["sent_dp"], rel=0.01)

@@ -37,7 +37,10 @@ that does. The formulas are those the chapter READMEs teach; this is the one pla
   are TP's all-gathers of the inputs that feed only such layers, and of the gradients of their
   outputs. HSDP (--shard-size s, chapter 04): the all-gathers and reduce-scatters run over s ranks,
   each holding 1/s of the state, and each rank's fp32 gradient shard is all-reduced (2x) with its
-  peers in the other groups: with a group per node, only that crosses the network.
+  peers in the other groups: with a group per node, only that crosses the network. CP (--cp-size,
+  chapter 07): each block's ring attention sends this rank's keys and values (key/value heads only,
+  compute dtype) on cp - 1 times in forward and again in backward (and in full checkpointing's
+  recompute), and their fp32 gradients cp times.
 - Through each NIC (one per GPU): NCCL runs a collective as flat rings, each entering and leaving
   every node once through a NIC of its own, so a group that spans nodes puts through each NIC what
   one GPU sends, divided by the group's GPUs in a node (8 for FSDP over nodes of 8, 1 for HSDP's
@@ -50,7 +53,8 @@ it, as backward frees the activations: a margin of up to 4 bytes per parameter p
 Checked by the test suite against what chapters 02, 04 and 05 measure on the CPU (each rank's
 weights, gradients and AdamW state), against the tensors HF's Llama saves for backward (eager and
 compiled, fp32 and bf16; with full and with selective checkpointing, what stays alive after forward)
-and the bytes the loss's backward holds, and against torchtitan's published
+and the bytes the loss's backward holds, against the collectives chapters 05, 06 and 07 issue at
+a cluster's layouts (tests/test_real_layouts.py), and against torchtitan's published
 Llama 3.1 8B peaks on 8 and 128 GPUs (the README's "How to choose").
 """
 
@@ -192,11 +196,15 @@ def plan(
     per_block = 4 * compute_bytes + gather_bytes("q_proj", "k_proj", "v_proj") + gather_bytes("gate_proj", "up_proj")
     per_block += gather_bytes("o_proj") + gather_bytes("down_proj")
     tensor_parallel = (t - 1) / t * tokens * m["hidden"] * (m["layers"] * per_block + 4 * compute_bytes)
-    # Ring attention, per block: forward sends this rank's keys and values on, cp - 1 times; backward
-    # sends them again, cp - 1 times, and the gradients of the keys and values (fp32), cp times.
-    # With grouped-query attention, the key/value heads alone: SDPA repeats them for the query heads itself.
+    # Ring attention, per block: forward sends this rank's keys and values on, cp - 1 times (torch's
+    # default rotation all-gathers them once per pass: in a ring, the same bytes); backward sends them
+    # again, cp - 1 times, and the gradients of the keys and values (fp32), cp times, one hop each. Full
+    # activation checkpointing recomputes the block's forward in backward, ring included: cp - 1 more
+    # (selective keeps attention's output). With grouped-query attention, the key/value heads alone:
+    # SDPA repeats them for the query heads itself. Counted by the test suite at 8 x 8 ranks, cp 8.
     kv_slice = tokens * 2 * m["kv"]
-    ring_sends = 2 * (layout.cp - 1) * compute_bytes + layout.cp * 4 if layout.cp > 1 else 0
+    passes = 3 if layout.checkpointing and layout.checkpointing != "selective" else 2
+    ring_sends = passes * (layout.cp - 1) * compute_bytes + layout.cp * 4 if layout.cp > 1 else 0
     context_parallel = m["layers"] * kv_slice * ring_sends
     return {
         **state,
