@@ -169,7 +169,7 @@ class Stragglers:
     def report(self, timings: dict) -> dict:
         mine = [timings.get(f"time/{phase}_ms", 0.0) for phase in self.PHASES]
         gathered = torch.empty(dist.get_world_size() * len(mine), device=self.device)
-        dist.all_gather_single(gathered, torch.tensor(mine, device=self.device))
+        dist.all_gather_into_tensor(gathered, torch.tensor(mine, device=self.device))
         data, forward, _, _, compute = zip(*gathered.view(-1, len(mine)).tolist())
         compute = compute if any(compute) else forward  # no blocks timed: the forward is local (DDP)
         work = [d + c for d, c in zip(data, compute)]
