@@ -182,8 +182,8 @@ def train_step(chapter, model, fp8):
 
 @pytest.mark.parametrize(
     "chapter_name, dp, tp",
-    [("05-tensor-parallel", 2, 8), ("06-fp8", 2, 8), ("06-fp8", 4, 8)],
-    ids=["05-2x8", "06-2x8", "06-4x8"],
+    [("05-tensor-parallel", 2, 8), ("06-fp8", 2, 8)],  # 4 x 8: test_hsdp_x_tp_layout_sends_what_the_planner_counts
+    ids=["05-2x8", "06-2x8"],
 )
 def test_a_cluster_layout_built_on_one_cpu(chapter_name, dp, tp, fake_world, tmp_path):
     from torch._dynamo.utils import counters
