@@ -340,9 +340,11 @@ def test_ssh_launcher_matches_one_node(tmp_path, hf_home, one_node_losses, chapt
     # The forwarded variables reached the hosts (WANDB_MODE=disabled: no wandb folder), through a
     # file that is gone now, and no secret was ever on a command line.
     assert not list((tmp_path / "out" / chapter).rglob("wandb"))
-    assert not list(Path("/tmp").glob("launch_ssh-*"))
     argv_log = (tmp_path / "ssh_argv.log").read_text()
     assert argv_log.count("ssh ") == 4 and "hf_secret_token_4711" not in argv_log
+    # This launch's files, by the names its ssh commands gave them (other tests' launches may be writing theirs).
+    env_files = set(re.findall(r"/tmp/launch_ssh-[\w-]+\.env", argv_log))
+    assert len(env_files) == 2 and not any(Path(name).exists() for name in env_files), env_files
 
 
 def test_ctrl_c_on_the_ssh_launcher_stops_every_host(tmp_path, hf_home):

@@ -4,12 +4,14 @@ PyTorch's FSDPMemTracker runs the chapter's own parallelize and train_step on a 
 shape under fake tensors (no memory, no arithmetic), with the fake process-group backend playing
 rank 0 of the whole job: every tensor FSDP2, DTensor and AdamW allocate is counted, by kind, at the
 step's peak. Any size runs in minutes on a laptop. Not compiled (fake tensors cannot be), so the
-planner is asked for the eager step too. Chapter 04's step (FSDP, HSDP), or chapter 05's with
---tp-size (FSDP x TP).
+planner is asked for the eager step too. Chapter 04's step (FSDP, HSDP), chapter 05's with --tp-size
+(FSDP x TP), or chapter 07's with --cp-size (FSDP x CP, its ring attention on the fake process group).
 
     python -m tools.memory tools/model_shapes/llama-3.1-8b --batch-size 2 --seq-length 4096 --grad-accum-steps 2
     python -m tools.memory tools/model_shapes/llama-3.1-70b --nodes 4 --tp-size 8 --batch-size 8 \\
         --seq-length 4096 --activation-checkpointing
+    python -m tools.memory tools/model_shapes/llama-3.1-8b --cp-size 8 --batch-size 1 --seq-length 131072 \\
+        --activation-checkpointing
 """
 
 import argparse
@@ -38,10 +40,11 @@ def load(chapter: str):
     return module
 
 
-def tracked_peak(chapter, config, mesh, argv) -> dict:
+def tracked_peak(chapter, config, mesh, argv, cp_mesh=None) -> dict:
     """GiB that rank 0 holds at the peak of the chapter's second training step (the first makes AdamW's
     state), by FSDPMemTracker's kinds, "Total" included. `mesh`: the chapter's (replicate, shard,
-    tp) mesh, or (replicate, shard) for chapter 04; `argv`: the chapter's flags."""
+    tp) mesh, or (replicate, shard) for chapters 04 and 07; `argv`: the chapter's flags; `cp_mesh`:
+    chapter 07's (dp, cp) mesh, which its train_step takes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.tensor import _sharding_prop
@@ -63,6 +66,11 @@ def tracked_peak(chapter, config, mesh, argv) -> dict:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if args.activation_checkpointing:  # as the chapter's main applies it
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_options(args.activation_checkpointing))
+    step_args = ()
+    if cp_mesh is not None:  # as chapter 07's main(): the CPU's kernel on the ring, and SDPA with no mask
+        chapter.cpu_ring_attention.register(device)
+        chapter.check_cp_model(model, args)
+        step_args = (cp_mesh,)
     chapter.parallelize(model, transformer_blocks(model), mesh, args, torch.bfloat16, use_compile=False)
     # DTensor derives each op's output shape on full-size tensors, in the fake mode it finds: in one of its own,
     # as on a real run, where FSDPMemTracker leaves them out.
@@ -85,9 +93,9 @@ def tracked_peak(chapter, config, mesh, argv) -> dict:
         micro_batches = batches()
         step = functools.partial(chapter.train_step, model, micro_batches, optimizer, lr_scheduler, args)
         # A first step untracked, in which AdamW makes its moments.
-        step(PhaseTimers(device), autocast, device)
+        step(PhaseTimers(device), autocast, device, *step_args)
         with tracker:
-            step(PhaseTimers(device), autocast, device)
+            step(PhaseTimers(device), autocast, device, *step_args)
     return {getattr(kind, "value", kind): value / GIB for kind, value in tracker.get_tracker_snapshot("peak")[device].items()}
 
 
@@ -97,6 +105,7 @@ def main(argv=None) -> None:
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--cp-size", type=int, default=1, help="context parallel (chapter 07)")
     parser.add_argument("--shard-size", type=int, default=0, help="HSDP: dp ranks per shard group (default: all)")
     parser.add_argument("--activation-checkpointing", nargs="?", const="full", choices=["full", "selective"])
     parser.add_argument("--batch-size", type=int, default=1, help="rows per replica per micro-step")
@@ -111,24 +120,29 @@ def main(argv=None) -> None:
     gpus = args.nodes * args.gpus_per_node
     dp = gpus // args.tp_size
     shard = args.shard_size or dp
-    chapter = "05-tensor-parallel" if args.tp_size > 1 else "04-fsdp"
+    chapter = "05-tensor-parallel" if args.tp_size > 1 else "07-context-parallel" if args.cp_size > 1 else "04-fsdp"
     argv = ["--batch-size", str(args.batch_size), "--seq-length", str(args.seq_length)]
     argv += ["--grad-accum-steps", str(args.grad_accum_steps), "--shard-size", str(shard)]
     if args.activation_checkpointing:
         argv += ["--activation-checkpointing", args.activation_checkpointing]
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
-    if chapter == "04-fsdp":
+    cp_mesh = None
+    if chapter != "05-tensor-parallel":
         mesh = init_device_mesh("cpu", (dp // shard, shard), mesh_dim_names=("replicate", "shard"))
-    else:
+    if chapter == "07-context-parallel":
+        argv += ["--cp-size", str(args.cp_size)]
+        cp_mesh = init_device_mesh("cpu", (gpus // args.cp_size, args.cp_size), mesh_dim_names=("dp", "cp"))
+    if chapter == "05-tensor-parallel":
         argv += ["--tp-size", str(args.tp_size)]
         mesh = init_device_mesh("cpu", (dp // shard, shard, args.tp_size), mesh_dim_names=("replicate", "shard", "tp"))
         for dims in ["tp", "shard", "replicate", ("replicate", "shard")]:
             mesh[dims].get_coordinate()
-    peak = tracked_peak(load(chapter), AutoConfig.from_pretrained(args.model), mesh, argv)
+    peak = tracked_peak(load(chapter), AutoConfig.from_pretrained(args.model), mesh, argv, cp_mesh)
     dist.destroy_process_group()
 
-    layout = Layout("asked", gpus, args.tp_size, True, args.activation_checkpointing, args.shard_size, args.gpus_per_node)
+    layout = Layout("asked", gpus, args.tp_size, True, args.activation_checkpointing, args.shard_size, args.gpus_per_node,
+                    args.cp_size)
     planned = plan(count(args.model), layout, args.batch_size, args.seq_length, 2, False, compiled=False)
     print(f"{args.model}, chapter {chapter[:2]} on {args.nodes} x {args.gpus_per_node} GPUs, {' '.join(argv)}")
     print("GiB per GPU at the step's peak   measured (FSDPMemTracker)   planned (tools.plan, not compiled)")
