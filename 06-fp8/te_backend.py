@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from common.fp8 import fp8_able
+from torchao_fp8 import fp8_able  # the same rule as torchao's: dimensions in multiples of 16
 
 
 def setup(args):

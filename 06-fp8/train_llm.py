@@ -52,7 +52,6 @@ from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_w
 
 import common
 from common import tp
-from common.fp8 import fp8_filter
 
 # After common, which quiets torchao's import-time lines about kernels that no chapter uses.
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
@@ -441,7 +440,7 @@ def apply_float8(blocks, args, fp8_all_gather):
         emulate=args.fp8_emulate,
         enable_fsdp_float8_all_gather=fp8_all_gather,
     )
-    keep = fp8_filter(args.fp8_recipe, args.tp_size, fast_only=args.fp8_layers == "fast")
+    keep = torchao_fp8.fp8_filter(args.fp8_recipe, args.tp_size, fast_only=args.fp8_layers == "fast")
     for block in blocks:
         convert_to_float8_training(block, config=config, module_filter_fn=keep)
 

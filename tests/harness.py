@@ -44,6 +44,8 @@ def chapter_env(hf_home: Path, env: dict | None = None, faults: dict | None = No
         "HF_HUB_OFFLINE": "1",
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        # A process that dies in C++ (SIGABRT, SIGSEGV) prints where its Python threads were: a failed test says where.
+        "PYTHONFAULTHANDLER": "1",
         **(env or {}),
     }
     full_env = {k: v for k, v in full_env.items() if v is not None}  # None in `env` unsets a variable

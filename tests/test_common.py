@@ -113,6 +113,35 @@ def test_each_chapter_runs_in_its_own_folder_by_default():
         assert module.get_parser().parse_args([]).experiment_name == chapter.name
 
 
+FORK_PROBE = """
+import os, runpy, sys
+sys.argv = ["train_llm.py"]
+try:
+    runpy.run_path("train_llm.py", run_name="__main__")
+except SystemExit as stop:
+    print(stop, file=sys.stderr)
+repo = os.environ["REPO"]
+print(*[m.__file__ for m in list(sys.modules.values()) if (getattr(m, "__file__", None) or "").startswith(repo)])
+"""
+
+
+@pytest.mark.parametrize("chapter", ["06-fp8", "07-context-parallel"])
+def test_a_forked_chapter_runs_from_its_folder_and_common(chapter, tmp_path):
+    """README's fork: the chapter's .py files and common/ copied into one folder run with python, and
+    import nothing from the repository (the chapters with modules of their own); without torchrun the
+    script stops at its first check, after every import."""
+    import shutil
+
+    fork = tmp_path / "fork"
+    shutil.copytree(REPO / "common", fork / "common")
+    for script in (REPO / chapter).glob("*.py"):
+        shutil.copy(script, fork)
+    env = {**os.environ, "REPO": f"{REPO}/"}
+    proc = subprocess.run([sys.executable, "-c", FORK_PROBE], cwd=fork, env=env, capture_output=True, text=True, timeout=300)
+    assert "error: start this chapter with torchrun" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "", f"imported from the repository: {proc.stdout}"
+
+
 def test_flops_per_token_counts_every_matmul_once_tied_or_not():
     """6 FLOPs per matmul weight and token, by hand from the shapes, plus attention (PaLM, app. B)."""
     import torch

@@ -33,7 +33,7 @@ that does. The formulas are those the chapter READMEs teach; this is the one pla
   reduce-scatters the fp32 gradients; TP all-gathers and reduce-scatters one block-input-sized
   activation twice per block in forward and twice in backward, and once each for the embeddings and
   the output head. With --fp8 (chapter 06, tensorwise), the weights of the block layers that go to
-  FP8 (those torchao finds faster at their slice, common/fp8.py) are all-gathered in 1 byte, and so
+  FP8 (those torchao finds faster at their slice, 06-fp8/torchao_fp8.py) are all-gathered in 1 byte, and so
   are TP's all-gathers of the inputs that feed only such layers, and of the gradients of their
   outputs. HSDP (--shard-size s, chapter 04): the all-gathers and reduce-scatters run over s ranks,
   each holding 1/s of the state, and each rank's fp32 gradient shard is all-reduced (2x) with its
@@ -60,12 +60,18 @@ Llama 3.1 8B peaks on 8 and 128 GPUs (the README's "How to choose").
 
 import argparse
 import functools
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from common.fp8 import fp8_filter
+import common  # noqa: F401  (first: it quiets torchao's import-time lines)
+
+# Which layers chapter 06 converts to FP8 is its own module's rule, beside its script.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "06-fp8"))
+from torchao_fp8 import fp8_filter  # noqa: E402
 
 GIB = 2**30
 
