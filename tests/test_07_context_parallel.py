@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from harness import FAST_ARGS, last_lines, losses, read_metrics, rewind, run_chapter
+from harness import FAST_ARGS, compiled_graphs, last_lines, losses, read_metrics, rewind, run_chapter
 
 CHAPTER = "07-context-parallel"
 STEPS = 12
@@ -83,6 +83,16 @@ def test_checkpoints_resume_across_cp_layouts(tmp_path, hf_home, cp_run, fsdp_ru
     assert "step-00000009 at step 9" in proc.stderr, proc.stderr[-3000:]
     resumed = losses(cp2 / CHAPTER)
     assert len(resumed) == STEPS and max(abs(a - b) for a, b in zip(resumed, reference)) <= 1e-5
+
+
+def test_compile_traces_every_block_whole_around_the_ring_with_no_recompiles(tmp_path, hf_home, cp_run):
+    """As on GPUs, where the chapter compiles by default: each block whole (no graph break) with its
+    attention running on the ring, one graph for all of them in training and one more for evaluation
+    (after step 6), none new later; the losses those of the eager run."""
+    args = [*ARGS, "--cp-size", "2", "--batch-size", "8"]
+    graphs = compiled_graphs(CHAPTER, tmp_path, hf_home, *args, nproc=2)
+    assert graphs == [1] * 6 + [2] * (STEPS - 6), graphs
+    assert max(abs(a - b) for a, b in zip(losses(tmp_path / CHAPTER), losses(cp_run[0]))) <= 1e-5
 
 
 def test_a_bad_cp_size_is_refused_in_one_line_under_torchrun(tmp_path, hf_home):
