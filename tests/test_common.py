@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -130,14 +131,14 @@ def test_a_forked_chapter_runs_from_its_folder_and_common(chapter, tmp_path):
     """README's fork: the chapter's .py files and common/ copied into one folder run with python, and
     import nothing from the repository (the chapters with modules of their own); without torchrun the
     script stops at its first check, after every import."""
-    import shutil
-
     fork = tmp_path / "fork"
     shutil.copytree(REPO / "common", fork / "common")
     for script in (REPO / chapter).glob("*.py"):
         shutil.copy(script, fork)
     env = {**os.environ, "REPO": f"{REPO}/"}
-    proc = subprocess.run([sys.executable, "-c", FORK_PROBE], cwd=fork, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", FORK_PROBE], cwd=fork, env=env, capture_output=True, text=True, timeout=300
+    )
     assert "error: start this chapter with torchrun" in proc.stderr, proc.stderr[-3000:]
     assert proc.stdout.strip() == "", f"imported from the repository: {proc.stdout}"
 

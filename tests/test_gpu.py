@@ -30,8 +30,8 @@ WARMUP_STEPS = 10  # compile's first steps; after them nothing may compile again
 GPU_ARGS = ["--max-steps", str(STEPS), "--log-freq", "1", "--ckpt-freq", str(STEPS // 2)]
 # Chapter 05 with its default --tp-size 1 (one GPU is enough); chapter 06 with real FP8 matmuls, in
 # every layer (the tiny default's are far too small for --fp8-layers fast, FP8 hardware's default).
-CHAPTERS = ["01-single-gpu", "02-multi-gpu", "03-multi-node", "04-fsdp", "05-tensor-parallel", "06-fp8"]
-CHAPTERS += ["07-context-parallel"]
+CHAPTERS = ["01-single-gpu", "02-multi-gpu", "03-multi-node", "04-fsdp", "05-tensor-parallel", "06-fp8",
+            "07-context-parallel"]  # fmt: skip
 # Chapter 07 on the ring of the CUDA attention kernels wherever the GPUs pair up (one GPU: chapter 04's step).
 CP_SIZE = "2" if torch.cuda.device_count() % 2 == 0 else "1"
 CHAPTER_ARGS = {"06-fp8": ["--fp8-layers", "all"], "07-context-parallel": ["--cp-size", CP_SIZE]}

@@ -112,6 +112,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--grad-accum-steps", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.tp_size > 1 and args.cp_size > 1:
+        parser.error("--tp-size and --cp-size: no chapter combines them (05 is FSDP x TP, 07 FSDP x CP); pass one")
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -128,21 +130,21 @@ def main(argv=None) -> None:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
     cp_mesh = None
-    if chapter != "05-tensor-parallel":
-        mesh = init_device_mesh("cpu", (dp // shard, shard), mesh_dim_names=("replicate", "shard"))
-    if chapter == "07-context-parallel":
-        argv += ["--cp-size", str(args.cp_size)]
-        cp_mesh = init_device_mesh("cpu", (gpus // args.cp_size, args.cp_size), mesh_dim_names=("dp", "cp"))
     if chapter == "05-tensor-parallel":
         argv += ["--tp-size", str(args.tp_size)]
         mesh = init_device_mesh("cpu", (dp // shard, shard, args.tp_size), mesh_dim_names=("replicate", "shard", "tp"))
         for dims in ["tp", "shard", "replicate", ("replicate", "shard")]:
             mesh[dims].get_coordinate()
+    else:
+        mesh = init_device_mesh("cpu", (dp // shard, shard), mesh_dim_names=("replicate", "shard"))
+    if chapter == "07-context-parallel":  # its rows over dp, each row's tokens over cp
+        argv += ["--cp-size", str(args.cp_size)]
+        cp_mesh = init_device_mesh("cpu", (gpus // args.cp_size, args.cp_size), mesh_dim_names=("dp", "cp"))
     peak = tracked_peak(load(chapter), AutoConfig.from_pretrained(args.model), mesh, argv, cp_mesh)
     dist.destroy_process_group()
 
-    layout = Layout("asked", gpus, args.tp_size, True, args.activation_checkpointing, args.shard_size, args.gpus_per_node,
-                    args.cp_size)
+    layout = Layout("asked", gpus, args.tp_size, True, args.activation_checkpointing, args.shard_size,
+                    args.gpus_per_node, cp=args.cp_size)  # fmt: skip
     planned = plan(count(args.model), layout, args.batch_size, args.seq_length, 2, False, compiled=False)
     print(f"{args.model}, chapter {chapter[:2]} on {args.nodes} x {args.gpus_per_node} GPUs, {' '.join(argv)}")
     print("GiB per GPU at the step's peak   measured (FSDPMemTracker)   planned (tools.plan, not compiled)")
