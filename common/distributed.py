@@ -58,6 +58,9 @@ def rank0_first(local: bool = False):
     yield
 
 
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited")
+
+
 def record(main):
     """torchrun's `@record`, which also records the one-line errors the chapters stop with.
 
@@ -73,6 +76,15 @@ def record(main):
         except SystemExit as exit:
             if isinstance(exit.code, str):
                 get_error_handler().record_exception(exit)
+            raise
+        except Exception as error:
+            # When a rank dies, the others' collectives fail within the same second ("Connection closed
+            # by peer", NCCL's "remote process exited"). torchrun names as the root cause the failure
+            # with the earliest timestamp, in whole seconds, and a tie goes to the lowest rank: the
+            # summary would show rank 0's echo, not the dead rank's error. Such a rank reports later.
+            if isinstance(error, dist.DistError) or any(echo in str(error) for echo in PEER_GONE):
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun stopping us first is the aim
+                time.sleep(3)  # > 1 s, and > torchrun's --monitor-interval (0.1 s)
             raise
 
     return torchrun_record(main_recording_exits)

@@ -166,12 +166,10 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path, hf_home, one
         faults={"FAULT_KILL_AT_STEP": 7, "FAULT_RANK": 1},
         hf_home=hf_home,
     )
-    # torchrun names the failure it saw first: rank 1's SIGKILL (-9), or, when its poll comes late on
-    # a busy machine, rank 0's end after it lost its peer (an error file's time is earlier): an error
-    # (1), or once in CI another exit code, which that run's log left out.
+    # torchrun names the failure it saw first: rank 1's SIGKILL (-9). Rank 0's collective failed as
+    # rank 1 died, and common.record held that echo back until torchrun stopped rank 0.
     failures = [line for line in proc.stderr.splitlines() if "failed (exitcode" in line]
-    first = re.search(r"failed \(exitcode: (-9\) local_rank: 1|-?\d+\) local_rank: 0)", failures[0] if failures else "")
-    assert first, failures or proc.stderr[-3000:]
+    assert failures and "failed (exitcode: -9) local_rank: 1" in failures[0], failures or proc.stderr[-3000:]
     assert "Workers restarted 1 time(s): resuming" in proc.stderr
     assert "Resumed from" in proc.stderr and "step-00000004 at step 4" in proc.stderr
     assert losses(tmp_path / CHAPTER) == one_node_losses
