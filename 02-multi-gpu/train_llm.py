@@ -151,13 +151,7 @@ def main():
     def due(every):  # every `every` steps, and at the last one
         return state["global_step"] % every == 0 or state["global_step"] == total_steps
 
-    with tqdm.tqdm(
-        total=total_steps,
-        initial=state["global_step"],
-        desc="training",
-        dynamic_ncols=True,
-        disable=rank != 0,
-    ) as progress:
+    with tqdm.tqdm(total=total_steps, initial=state["global_step"], desc="training", disable=rank != 0) as progress:
         model.train()
         stopping = None
         while state["global_step"] < total_steps and not stopping:
