@@ -29,8 +29,7 @@ logger = logging.getLogger(__name__)
 
 def main():
     # --- 1. Setup: flags, device, precision ---
-    # The ~370k objects the imports made live as long as the process: the garbage collector need never
-    # scan them again (each full scan takes ~0.3 s, mid-step; together a sixth of a short run's CPU time).
+    # The imports' ~370k objects live as long as the process: no full collection (~0.3 s, mid-step) scans them.
     gc.freeze()
     args = get_parser().parse_args()
     common.setup_logging()
@@ -49,8 +48,7 @@ def main():
     # Everything that can fail on bad input happens before anything is written.
     common.check_save_dir(args.save_dir)
     config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
-    # The export is in the dtype the model was published in (bf16 for most), not in training's fp32.
-    # Read it now: building the model in fp32 overwrites config.dtype.
+    # The export is in the model's published dtype (bf16 for most), read now: building in fp32 overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
     # --- 3. Data: tokenized, packed into rows, validation rows held out ---
@@ -73,8 +71,7 @@ def main():
     torch.manual_seed(args.seed)
     model = build_model(args, config)
     if args.activation_checkpointing:
-        # Each block keeps only its input (selective: and its matmuls' and attention's outputs); the rest
-        # is recomputed during backward.
+        # Each block keeps its input (selective: and some matmuls' and attention's outputs), recomputes the rest.
         options = common.checkpointing_options(args.activation_checkpointing)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     model = model.to(device)
@@ -82,12 +79,8 @@ def main():
     logger.info(f"{num_params:,} parameters")
 
     # --- 5. Optimizer and LR schedule ---
-    optimizer = torch.optim.AdamW(
-        common.adamw_param_groups(model, args.weight_decay),
-        lr=args.lr,
-        betas=(0.9, args.beta2),
-        fused=device.type == "cuda",
-    )
+    params = common.adamw_param_groups(model, args.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=device.type == "cuda")
     # Linear warmup from 0 over --warmup-steps, then cosine decay to 10% of --lr at the last step.
     lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, args.warmup_steps, total_steps, min_lr_rate=0.1
@@ -206,8 +199,7 @@ def main():
 
 
 def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device):
-    """One optimizer step on --grad-accum-steps micro-batches from `batches`. Returns the step's loss
-    and gradient norm, on the device: reading them would wait for the GPU."""
+    """One optimizer step on --grad-accum-steps micro-batches: its loss and gradient norm, left on the device."""
     step_loss = 0.0
     for _ in range(args.grad_accum_steps):
         with timers("data"):
@@ -215,8 +207,7 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
 
         with timers("forward"), autocast():
             # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
-            # Each micro-batch's mean loss is divided by their number: the gradients they add up
-            # to are those of the mean loss over all rows of the step, as one big batch would give.
+            # Divided by their number, the micro-batches' losses add up to gradients of the step's mean loss.
             loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
 
         with timers("backward"):
@@ -232,8 +223,7 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
 
 
 def build_model(args, config):
-    """The model in fp32 on the CPU: from the config, with random weights drawn from the seed, or with
-    --from-pretrained the published weights (a first run downloads them)."""
+    """The model in fp32 on the CPU: random weights from the seed, or --from-pretrained the published ones."""
     if not args.from_pretrained:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     try:
@@ -268,23 +258,23 @@ def export_hf(model, config, tokenizer, folder, dtype):
 
 
 def evaluate(model, val_data, args, device, autocast) -> float:
-    """The mean loss over the first --eval-batches batches of the validation rows, without gradients.
-    It draws no random numbers, so that training after it goes on exactly as without it."""
-    rows = min(len(val_data), args.eval_batches * args.batch_size) // args.batch_size * args.batch_size
+    """The mean loss over the first --eval-batches global batches of the validation rows, without
+    gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
+    global_batch = args.batch_size
+    rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
     total = torch.zeros((), device=device)
     model.eval()
     with torch.no_grad(), autocast():
-        for batch in DataLoader(val_data.select(range(rows)), batch_size=args.batch_size):
+        for batch in DataLoader(rows, batch_size=args.batch_size):
             total += model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).loss.float()
     model.train()
-    return total.item() / (rows // args.batch_size)
+    return total.item() / (len(rows) // args.batch_size)
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep):
     """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position."""
     final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
-    # Written under a temporary name and renamed when complete: a crash mid-save leaves no
-    # checkpoint that resume would trust.
+    # Written under a temporary name, renamed when complete: a crash mid-save leaves nothing resume would trust.
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     with common.saving(tmp_dir, state["global_step"]):
         shutil.rmtree(tmp_dir, ignore_errors=True)

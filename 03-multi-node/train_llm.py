@@ -37,18 +37,15 @@ logger = logging.getLogger(__name__)
 @common.record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
 def main():
     # --- 1. Setup: flags, device, precision ---
-    # The ~370k objects the imports made live as long as the process: the garbage collector need never
-    # scan them again (each full scan takes ~0.3 s, mid-step; together a sixth of a short run's CPU time).
+    # The imports' ~370k objects live as long as the process: no full collection (~0.3 s, mid-step) scans them.
     gc.freeze()
     args = get_parser().parse_args()
-    if "RANK" not in os.environ:
-        # Started with plain python: no launcher has said which rank this is.
+    if "RANK" not in os.environ:  # started with plain python: no launcher has said which rank this is
         raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
     # torchrun starts one process per GPU and tells each who it is.
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    # Rank 0 speaks for the job; the others only report warnings and errors. Across nodes, the
-    # host name says where a rank runs: ranks are not assigned in the order of a host list.
-    prefix = f"[{socket.gethostname()} rank={rank}] "
+    # Rank 0 speaks for the job; the others only report warnings and errors.
+    prefix = f"[{socket.gethostname()} rank={rank}] "  # where it runs: ranks do not follow a host list's order
     common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
     logger.info(args)
     # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
@@ -69,8 +66,7 @@ def main():
     common.check_save_dir(args.save_dir)
     with common.rank0_first(local=args.node_local_cache):
         config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
-    # The export is in the dtype the model was published in (bf16 for most), not in training's fp32.
-    # Read it now: building the model in fp32 overwrites config.dtype.
+    # The export is in the model's published dtype (bf16 for most), read now: building in fp32 overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
     # --- 3. Data: tokenized, packed into rows, validation rows held out ---
@@ -95,8 +91,7 @@ def main():
     with common.rank0_first(local=args.node_local_cache):  # a first run downloads the weights
         model = build_model(args, config)
     if args.activation_checkpointing:
-        # Each block keeps only its input (selective: and its matmuls' and attention's outputs); the rest
-        # is recomputed during backward.
+        # Each block keeps its input (selective: and some matmuls' and attention's outputs), recomputes the rest.
         options = common.checkpointing_options(args.activation_checkpointing)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     model = model.to(device)
@@ -104,12 +99,8 @@ def main():
     logger.info(f"{num_params:,} parameters")
 
     # --- 5. Optimizer and LR schedule ---
-    optimizer = torch.optim.AdamW(
-        common.adamw_param_groups(model, args.weight_decay),
-        lr=args.lr,
-        betas=(0.9, args.beta2),
-        fused=device.type == "cuda",
-    )
+    params = common.adamw_param_groups(model, args.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=device.type == "cuda")
     # Linear warmup from 0 over --warmup-steps, then cosine decay to 10% of --lr at the last step.
     lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, args.warmup_steps, total_steps, min_lr_rate=0.1
@@ -125,8 +116,7 @@ def main():
     state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": wandb_run_id[0], **layout}
     state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log line: a resumed run logs the same mean
     checkpoint = common.latest_checkpoint(exp_dir)
-    # Every rank must resume from the same step. A --save-dir on each node's own disk would let
-    # the ranks of other nodes silently start over: check against what rank 0 sees.
+    # Every rank resumes from rank 0's step: with --save-dir on each node's own disk, others would start over.
     rank0_checkpoint = [checkpoint]
     dist.broadcast_object_list(rank0_checkpoint, src=0)
     if checkpoint != rank0_checkpoint[0]:
@@ -232,8 +222,7 @@ def main():
                             save_checkpoint(
                                 exp_dir, model.module, optimizer, lr_scheduler, state, device, args.keep_checkpoints
                             )
-                        # No rank runs ahead (and may crash) before the checkpoint is complete.
-                        dist.barrier()
+                        dist.barrier()  # no rank runs ahead (and may crash) before the checkpoint is complete
                     log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
                 if stopping:
                     break
@@ -250,27 +239,23 @@ def main():
     else:
         wandb.finish()
         logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
-    # DDP's reducer holds the process group: freed after destroy_process_group, it would free the
-    # group itself, holding the GIL that gloo's threads may still need, and hang at exit (pytorch#75097).
+    # DDP's reducer holds the process group: freed after destroy_process_group, it can hang at exit (pytorch#75097).
     del model
     dist.destroy_process_group()
 
 
 def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device):
-    """One optimizer step on --grad-accum-steps micro-batches from `batches`. Returns the step's loss
-    and gradient norm, on the device: reading them would wait for the GPU."""
+    """One optimizer step on --grad-accum-steps micro-batches: its loss and gradient norm, left on the device."""
     step_loss = 0.0
     for micro_step in range(args.grad_accum_steps):
-        # DDP all-reduces the gradients in every backward, unless told not to: the micro-steps
-        # before the last only add to the local gradients, and the last reduces their sum once.
+        # DDP all-reduces in every backward unless told not to: the micro-steps before the last only add locally.
         model.require_backward_grad_sync = micro_step == args.grad_accum_steps - 1
         with timers("data"):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
 
         with timers("forward"), autocast():
             # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
-            # Each micro-batch's mean loss is divided by their number: the gradients they add up
-            # to are those of the mean loss over all rows of the step, as one big batch would give.
+            # Divided by their number, the micro-batches' losses add up to gradients of the step's mean loss.
             loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
 
         with timers("backward"):
@@ -289,8 +274,7 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
 
 
 def build_model(args, config):
-    """The model in fp32 on the CPU: from the config, with random weights drawn from the seed, or with
-    --from-pretrained the published weights (a first run downloads them)."""
+    """The model in fp32 on the CPU: random weights from the seed, or --from-pretrained the published ones."""
     if not args.from_pretrained:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     try:
@@ -300,9 +284,8 @@ def build_model(args, config):
 
 
 def init_distributed(args, device_type, local_rank):
-    """Joins this process to the job (torchrun said where to find the others), and returns its device:
-    the GPU of its local rank, or the CPU. A collective that waits longer than the timeout fails instead
-    of hanging forever."""
+    """Joins the job (torchrun said where the others are) and returns the device: the local rank's GPU, or
+    the CPU. A collective that waits longer than the timeout fails instead of hanging forever."""
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -314,8 +297,9 @@ def init_distributed(args, device_type, local_rank):
 
 
 def init_wandb(args, exp_dir, run_id):
-    """The run's wandb runs: one per rank (each rank's timings and memory are its own), grouped by job.
-    Their ids come from the checkpoint, as in chapter 01: a new run never continues an old one."""
+    """The run's wandb run. Its id comes from the checkpoint: a resumed run continues its wandb run, and a
+    new run (after deleting the folder, or another chapter under the same name) never continues an old one."""
+    # One per rank (each rank's timings and memory are its own), grouped by job.
     rank = dist.get_rank()
     wandb_dir = exp_dir / f"rank-{rank}"
     wandb_dir.mkdir(parents=True, exist_ok=True)
@@ -362,8 +346,7 @@ def evaluate(model, val_data, args, device, autocast) -> float:
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep):
     """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position."""
     final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
-    # Written under a temporary name and renamed when complete: a crash mid-save leaves no
-    # checkpoint that resume would trust.
+    # Written under a temporary name, renamed when complete: a crash mid-save leaves nothing resume would trust.
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     with common.saving(tmp_dir, state["global_step"]):
         shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -28,24 +28,13 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import tqdm
 import wandb
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
@@ -53,10 +42,8 @@ from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_w
 import common
 from common import tp
 
-# After common, which quiets torchao's import-time lines about kernels that no chapter uses.
+# After common, which quiets torchao's import-time lines; then the chapter's own modules, beside this script.
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
-
-# The chapter's own modules, beside this script: torchao's helpers, FP8 statistics, Transformer Engine.
 import te_backend
 import torchao_fp8
 from fp8_stats import Float8Stats
@@ -67,18 +54,15 @@ logger = logging.getLogger(__name__)
 @common.record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
 def main():
     # --- 1. Setup: flags, device, precision ---
-    # The ~370k objects the imports made live as long as the process: the garbage collector need never
-    # scan them again (each full scan takes ~0.3 s, mid-step; together a sixth of a short run's CPU time).
+    # The imports' ~370k objects live as long as the process: no full collection (~0.3 s, mid-step) scans them.
     gc.freeze()
     args = get_parser().parse_args()
-    if "RANK" not in os.environ:
-        # Started with plain python: no launcher has said which rank this is.
+    if "RANK" not in os.environ:  # started with plain python: no launcher has said which rank this is
         raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
     # torchrun starts one process per GPU and tells each who it is.
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    # Rank 0 speaks for the job; the others only report warnings and errors. Across nodes, the
-    # host name says where a rank runs: ranks are not assigned in the order of a host list.
-    prefix = f"[{socket.gethostname()} rank={rank}] "
+    # Rank 0 speaks for the job; the others only report warnings and errors.
+    prefix = f"[{socket.gethostname()} rank={rank}] "  # where it runs: ranks do not follow a host list's order
     common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
     logger.info(args)
     # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
@@ -124,16 +108,14 @@ def main():
     common.check_save_dir(args.save_dir)
     with common.rank0_first(local=args.node_local_cache):
         config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
-    # The export is in the dtype the model was published in (bf16 for most), not in training's fp32.
-    # Read it now: building the model in fp32 overwrites config.dtype.
+    # The export is in the model's published dtype (bf16 for most), read now: building in fp32 overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
     tp.check_tp_size(args.tp_size, config, args.seq_length)  # whole heads on each rank, and whole tokens
 
     # --- 3. Data: tokenized, packed into rows, validation rows held out ---
     with common.rank0_first(local=args.node_local_cache):
         train_data, val_data = common.load_and_pack(args.dataset_name, tokenizer, args.seq_length, args.val_fraction)
-    # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows on every dp
-    # replica; the ranks of a tp group share their replica's rows.
+    # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows on every dp replica.
     global_batch_rows = dp_size * args.batch_size * args.grad_accum_steps
     steps_per_epoch = len(train_data) // global_batch_rows
     val_rows = len(val_data) if val_data is not None else 0
@@ -156,8 +138,7 @@ def main():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if args.activation_checkpointing:
-        # Each block keeps only its input (selective: and its matmuls' and attention's outputs); the rest
-        # is recomputed during backward.
+        # Each block keeps its input (selective: and some matmuls' and attention's outputs), recomputes the rest.
         options = common.checkpointing_options(args.activation_checkpointing)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     # Found once, now: fully_shard changes each block's class, and then the names would not match.
@@ -170,11 +151,9 @@ def main():
     logger.info(f"{num_params:,} parameters, split over {args.tp_size} tp ranks and sharded over {shard_size} dp ranks")
 
     # --- 5. Optimizer and LR schedule ---
+    params = common.adamw_param_groups(model, args.weight_decay)
     optimizer = torch.optim.AdamW(
-        common.adamw_param_groups(model, args.weight_decay),
-        lr=args.lr,
-        betas=(0.9, args.beta2),
-        fused=device.type == "cuda" and not args.cpu_offload,
+        params, lr=args.lr, betas=(0.9, args.beta2), fused=device.type == "cuda" and not args.cpu_offload
     )
     # Linear warmup from 0 over --warmup-steps, then cosine decay to 10% of --lr at the last step.
     lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
@@ -191,8 +170,7 @@ def main():
     state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": wandb_run_id[0], **layout}
     state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log line: a resumed run logs the same mean
     checkpoint = common.latest_checkpoint(exp_dir)
-    # Every rank must resume from the same step. A --save-dir on each node's own disk would let
-    # the ranks of other nodes silently start over: check against what rank 0 sees.
+    # Every rank resumes from rank 0's step: with --save-dir on each node's own disk, others would start over.
     rank0_checkpoint = [checkpoint]
     dist.broadcast_object_list(rank0_checkpoint, src=0)
     if checkpoint != rank0_checkpoint[0]:
@@ -231,11 +209,8 @@ def main():
         model.train()
         stopping = None
         while state["global_step"] < total_steps and not stopping:
-            # Each dp replica takes every dp_size-th row of the same permutation. By dp rank, not by
-            # rank: the ranks of a tp group must see the same rows, or each would split another batch.
-            sampler = DistributedSampler(
-                train_data, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=args.seed, drop_last=True
-            )
+            # Each dp replica takes every dp_size-th row. By dp rank, not rank: a tp group's ranks share their rows.
+            sampler = DistributedSampler(train_data, dp_size, dp_rank, shuffle=True, seed=args.seed, drop_last=True)
             sampler.set_epoch(state["epoch"])
             # On resume, the batches this epoch already trained on are skipped by index, never loaded.
             indices = list(sampler)[state["epoch_step"] * global_batch_rows // dp_size :]
@@ -294,7 +269,6 @@ def main():
                 if due(args.ckpt_freq) or stopping:
                     guard.check()  # a model with NaN weights never becomes a checkpoint
                     state["running_loss"], state["steps_since_log"] = float(running_loss), steps_since_log
-                    # Every rank writes its own shards; rank 0 adds the rest and publishes the checkpoint.
                     with timers("checkpoint"):  # what the save costs the training loop
                         save_checkpoint(
                             exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints, async_saves
@@ -321,25 +295,21 @@ def main():
 
 
 def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device):
-    """One optimizer step on --grad-accum-steps micro-batches from `batches`. Returns the step's loss
-    and gradient norm, on the device: reading them would wait for the GPU."""
+    """One optimizer step on --grad-accum-steps micro-batches: its loss and gradient norm, left on the device."""
     step_loss = 0.0
     for micro_step in range(args.grad_accum_steps):
-        # FSDP reduce-scatters every micro-step's gradients and adds them to the sharded ones: DDP's way
-        # (no sync till the last) would keep a full fp32 gradient on every rank, 30 GiB at 8B. With HSDP,
-        # the all-reduce between replicas waits for the last micro-step.
+        # FSDP reduce-scatters every micro-step's gradients into the sharded sum: DDP's no-sync would keep a
+        # full fp32 gradient on every rank (30 GiB at 8B). Only HSDP's all-reduce waits for the last micro-step.
         model.set_requires_all_reduce(micro_step == args.grad_accum_steps - 1)
         with timers("data"):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
 
-        # loss_parallel: the logits stay split over the vocabulary, each tp rank holding its
-        # part, and the cross-entropy combines the parts (forward and backward) without ever
-        # gathering them: full-vocabulary logits are the largest activation of a small model.
+        # loss_parallel: the logits stay split over the vocabulary, and the cross-entropy combines the tp ranks'
+        # parts without gathering them: full-vocabulary logits are the largest activation of a small model.
         with timers("forward"), autocast(), loss_parallel():
             # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
             logits = model(input_ids=batch["input_ids"], use_cache=False).logits
-            # Each micro-batch's mean loss is divided by their number: the gradients they add up
-            # to are those of the mean loss over all rows of the step, as one big batch would give.
+            # Divided by their number, the micro-batches' losses add up to gradients of the step's mean loss.
             loss = next_token_loss(logits, batch["labels"]) / args.grad_accum_steps
             # Backward needs the loss's fp32 log-probabilities, not the logits: freed now, not after it.
             del logits
@@ -362,8 +332,7 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
 
 
 def build_model(args, config):
-    """The model in fp32 on the CPU: from the config, with random weights drawn from the seed, or with
-    --from-pretrained the published weights (a first run downloads them)."""
+    """The model in fp32 on the CPU: random weights from the seed, or --from-pretrained the published ones."""
     if not args.from_pretrained:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     try:
@@ -373,15 +342,13 @@ def build_model(args, config):
 
 
 def send_full_weights(model, full_model, device):
-    """Rank 0's full weights (`full_model`, None on the other ranks), sent tensor by tensor into every
-    rank's shards of `model`."""
+    """Rank 0's full weights (`full_model`; None elsewhere), sent tensor by tensor into every rank's shards."""
     rank = dist.get_rank()
     full_state = full_model.state_dict() if rank == 0 else {}
     if rank == 0:  # TE's layers have an extra state (FP8 metadata; none yet) that HF's layers have not
         full_state |= {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    # Buffers outside the state dict (Llama's rotary frequencies) are not sent: send them too, to
-    # the device, where the model computes (with --cpu-offload, to_empty left them on the CPU).
+    # Buffers outside the state dict (rotary frequencies) are sent too, to the device (to_empty: maybe the CPU).
     for name, buffer in model.named_buffers():
         # TP replicated some over the tp ranks (Gemma's embedding scale): sent as plain tensors, and kept so.
         local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
@@ -396,8 +363,7 @@ def send_full_weights(model, full_model, device):
 def parallelize(model, blocks, mesh, args, dtype, use_compile):
     """What the chapter does to the model, in the order it must be done (torchtitan's parallelize_llama
     is the model; main() has switched on activation checkpointing): FP8, tensor parallel, compile, then FSDP."""
-    # FP8 first: TP's float8 styles and FSDP's FP8 all-gathers act on the layers it converted. With one
-    # scale per tensor, FSDP all-gathers torchao's weights in FP8: half the bytes of bf16.
+    # FP8 first: TP's float8 styles and FSDP's FP8 all-gathers (tensorwise: half bf16's bytes) act on its layers.
     fp8_all_gather = args.fp8_backend == "torchao" and args.fp8_recipe == "tensorwise"
     if args.fp8_backend == "te":
         te_backend.convert(blocks)
@@ -413,9 +379,8 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
         # (gloo cannot send FP8 bytes: on the CPU, inputs are all-gathered first, then cast, to the same numbers.)
         apply_tp(model, blocks, mesh["tp"], fp8_all_gather and mesh.device_type == "cuda")
     if use_compile:
-        # Each block compiled on its own: FSDP's hooks between blocks stay outside the compiled code.
-        # Whole, or not at all (fullgraph): a graph break would silently split a block into pieces, each
-        # compiled apart, with the collectives and casts between them left uncompiled.
+        # Each block on its own, FSDP's hooks between blocks outside the compiled code; and whole (fullgraph): a
+        # graph break would silently split it, leaving the collectives and casts between the pieces uncompiled.
         for block in blocks:
             block.compile(fullgraph=args.fp8_backend != "te")  # TE's layers break the graph by design
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -426,24 +391,19 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
 
 
 def apply_float8(blocks, args, fp8_all_gather):
-    """Swaps the blocks' nn.Linear layers for torchao's Float8Linear: those whose slice on each GPU FP8
-    can multiply (under TP, a slice of the weight), and with --fp8-layers fast (the default on FP8
-    hardware) only those large enough for FP8 to be faster, by torchao's thresholds."""
-    config = dataclasses.replace(
-        Float8LinearConfig.from_recipe_name(args.fp8_recipe),
-        emulate=args.fp8_emulate,
-        enable_fsdp_float8_all_gather=fp8_all_gather,
-    )
+    """Swaps the blocks' nn.Linear layers for torchao's Float8Linear: those whose slice on each GPU (under TP)
+    FP8 can multiply, and with --fp8-layers fast only those large enough to be faster, by torchao's thresholds."""
+    config = Float8LinearConfig.from_recipe_name(args.fp8_recipe)
+    config = dataclasses.replace(config, emulate=args.fp8_emulate, enable_fsdp_float8_all_gather=fp8_all_gather)
     keep = torchao_fp8.fp8_filter(args.fp8_recipe, args.tp_size, fast_only=args.fp8_layers == "fast")
     for block in blocks:
         convert_to_float8_training(block, config=config, module_filter_fn=keep)
 
 
 def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
-    """Shards the input embeddings, each block and the output head as units of their own, then the root
-    (the rest). A unit's weights are all-gathered just before its forward and backward, and its gradients
-    reduce-scattered when ready, while the next unit computes. The root's are gathered all step and
-    reduced last: the embeddings and head, the largest weights, stay out of it unless tied (one weight)."""
+    """Shards the input embeddings, each block and the output head as units, then the root (the rest). A unit's
+    weights are all-gathered just before its forward and backward, its gradients reduce-scattered when ready, while
+    the next unit computes. The root's stay gathered all step: the largest, embeddings and head, are units (untied)."""
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     tied = model.config.tie_word_embeddings
     if not tied:
@@ -485,8 +445,7 @@ def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
     }
     if fp8_all_gather:
-        # The layers in FP8 take torchao's float8 styles: their inputs are cast to FP8 before TP all-gathers
-        # them, half the bytes, and so are the gradients of their outputs. The blocks are alike: the first says.
+        # Layers in FP8 take torchao's float8 styles: inputs and output gradients cast before TP gathers them.
         block_plan |= torchao_fp8.float8_styles(block_plan, blocks[0])
     # The norms other families add; and any module the plan does not name, refused (common/tp.py).
     block_plan |= tp.norm_plan(blocks[0], model.config)
@@ -500,8 +459,7 @@ def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
 
 
 def next_token_loss(logits, labels):
-    """Chapter 01's loss, the one HF computes from labels: the mean cross-entropy of every token's
-    prediction of the next one (a row's last token predicts nothing), in fp32."""
+    """Chapter 01's loss, HF's from labels: the mean cross-entropy of each token's next-token prediction, in fp32."""
     labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
     # Under loss_parallel, the same value on every tp rank: its local copy, which backward goes through.
@@ -509,14 +467,12 @@ def next_token_loss(logits, labels):
 
 
 def init_distributed(args, device_type, local_rank):
-    """Joins this process to the job (torchrun said where to find the others), and returns its device:
-    the GPU of its local rank, or the CPU. A collective that waits longer than the timeout fails instead
-    of hanging forever."""
+    """Joins the job (torchrun said where the others are) and returns the device: the local rank's GPU, or
+    the CPU. A collective that waits longer than the timeout fails instead of hanging forever."""
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        # With --cpu-offload the shards and their gradients live on the CPU, and collectives over
-        # them (clipping's norm) need a CPU backend beside NCCL.
+        # With --cpu-offload, collectives over the shards and gradients on the CPU (clipping's norm) need gloo too.
         backend = "cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl"
         dist.init_process_group(backend, timeout=timedelta(minutes=args.dist_timeout), device_id=device)
     else:
@@ -528,8 +484,9 @@ def init_distributed(args, device_type, local_rank):
 
 
 def init_wandb(args, exp_dir, run_id):
-    """The run's wandb runs: one per rank (each rank's timings and memory are its own), grouped by job.
-    Their ids come from the checkpoint, as in chapter 01: a new run never continues an old one."""
+    """The run's wandb run. Its id comes from the checkpoint: a resumed run continues its wandb run, and a
+    new run (after deleting the folder, or another chapter under the same name) never continues an old one."""
+    # One per rank (each rank's timings and memory are its own), grouped by job.
     rank = dist.get_rank()
     wandb_dir = exp_dir / f"rank-{rank}"
     wandb_dir.mkdir(parents=True, exist_ok=True)
@@ -545,13 +502,9 @@ def init_wandb(args, exp_dir, run_id):
 
 
 def export_hf(model, config, tokenizer, folder, dtype):
-    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer.
-
-    The full weights are gathered onto rank 0's CPU, and rank 0 alone writes them, while the others
-    go on to the end of the job.
-    """
+    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer."""
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:
+    if dist.get_rank() != 0:  # the full weights were gathered onto rank 0's CPU: rank 0 alone writes them
         return
     with torch.device("meta"):
         export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -582,11 +535,10 @@ def evaluate(model, val_data, args, device, autocast, dp_mesh) -> float:
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):
-    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position. With
-    `async_saves`, it returns while the shards are copied to CPU memory; async_saves publishes them once written."""
+    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position.
+    With `async_saves`, it returns once the copy to CPU memory has started: written and published beside training."""
     final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
-    # Written under a temporary name and renamed when complete: a crash mid-save leaves no
-    # checkpoint that resume would trust.
+    # Written under a temporary name, renamed when complete: a crash mid-save leaves nothing resume would trust.
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     rank = dist.get_rank()
     with common.saving(tmp_dir, state["global_step"]):
@@ -594,8 +546,7 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
             shutil.rmtree(tmp_dir, ignore_errors=True)
             tmp_dir.mkdir(parents=True)
         dist.barrier()
-        # Every rank writes its own shards, in parallel, and DCP records where each shard sits in the
-        # full tensor: a job with another number of ranks can load them, resharded.
+        # Every rank writes its own shards, and DCP records where each sits in the full tensor: resharded on load.
         model_state, optimizer_state = get_state_dict(model, optimizer)
         shards = {"model": torchao_fp8.weights_only(model_state), "optimizer": optimizer_state}
         if async_saves:
@@ -636,12 +587,7 @@ def get_parser():
     add("--fp8-backend", choices=["torchao", "te"], default="torchao", help="or NVIDIA's Transformer Engine")
     add("--fp8-recipe", choices=["tensorwise", "rowwise"], default="tensorwise", help="a scale per tensor or row")
     add("--fp8-emulate", action="store_true", help="emulate FP8 matmuls where there are none (CPU)")
-    add(
-        "--fp8-layers",
-        choices=["fast", "all"],
-        help="the blocks' linear layers that FP8 makes faster, by torchao's thresholds on each GPU's slice, or all "
-        "that it can multiply (default: all with --fp8-emulate, fast otherwise)",
-    )
+    add("--fp8-layers", choices=["fast", "all"], help="those FP8 speeds up, or all (default: all if emulated)")
     add("--fp8-stats-every", type=common.non_negative_int, default=0, help="steps between FP8 statistics (0: none)")
     add("--fp8-stats-group", choices=["world", "none"], default="world", help="all replicas' activations or each one's")
     add("--shard-size", type=common.positive_int, help="ranks that shard the model (default: all; fewer: HSDP)")

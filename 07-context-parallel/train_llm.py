@@ -27,13 +27,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import tqdm
 import wandb
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor.experimental import context_parallel
@@ -54,18 +49,15 @@ logger = logging.getLogger(__name__)
 @common.record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
 def main():
     # --- 1. Setup: flags, device, precision ---
-    # The ~370k objects the imports made live as long as the process: the garbage collector need never
-    # scan them again (each full scan takes ~0.3 s, mid-step; together a sixth of a short run's CPU time).
+    # The imports' ~370k objects live as long as the process: no full collection (~0.3 s, mid-step) scans them.
     gc.freeze()
     args = get_parser().parse_args()
-    if "RANK" not in os.environ:
-        # Started with plain python: no launcher has said which rank this is.
+    if "RANK" not in os.environ:  # started with plain python: no launcher has said which rank this is
         raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
     # torchrun starts one process per GPU and tells each who it is.
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    # Rank 0 speaks for the job; the others only report warnings and errors. Across nodes, the
-    # host name says where a rank runs: ranks are not assigned in the order of a host list.
-    prefix = f"[{socket.gethostname()} rank={rank}] "
+    # Rank 0 speaks for the job; the others only report warnings and errors.
+    prefix = f"[{socket.gethostname()} rank={rank}] "  # where it runs: ranks do not follow a host list's order
     common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
     logger.info(args)
     # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
@@ -82,9 +74,8 @@ def main():
     # FSDP's mixed precision casts the weights for the matmuls itself: no autocast.
     autocast = functools.partial(torch.autocast, device.type, enabled=False)
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
-    # FSDP shards every tensor over --shard-size ranks (default: all). Fewer (a node's GPUs) is HSDP:
-    # each group of them holds a full replica, the blocks' all-gathers and reduce-scatters stay inside
-    # the group, and only an all-reduce of each rank's gradient shard crosses between the groups.
+    # FSDP shards every tensor over --shard-size ranks (default: all). Fewer (a node's GPUs) is HSDP: a replica per
+    # group, whose all-gathers and reduce-scatters stay inside it; only the gradient shards' all-reduce crosses.
     shard_size = args.shard_size or world_size
     if world_size % shard_size:
         raise SystemExit(f"error: --shard-size {shard_size} must divide the number of ranks ({world_size})")
@@ -102,8 +93,7 @@ def main():
     common.check_save_dir(args.save_dir)
     with common.rank0_first(local=args.node_local_cache):
         config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
-    # The export is in the dtype the model was published in (bf16 for most), not in training's fp32.
-    # Read it now: building the model in fp32 overwrites config.dtype.
+    # The export is in the model's published dtype (bf16 for most), read now: building in fp32 overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
     # --- 3. Data: tokenized, packed into rows, validation rows held out ---
@@ -133,8 +123,7 @@ def main():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if args.activation_checkpointing:
-        # Each block keeps only its input (selective: and its matmuls' and attention's outputs); the rest
-        # is recomputed during backward.
+        # Each block keeps its input (selective: and some matmuls' and attention's outputs), recomputes the rest.
         options = common.checkpointing_options(args.activation_checkpointing)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     # Found once, now: fully_shard changes each block's class, and then the names would not match.
@@ -148,11 +137,9 @@ def main():
     logger.info(f"{num_params:,} parameters, sharded over {shard_size} ranks; rows split over {args.cp_size} cp ranks")
 
     # --- 5. Optimizer and LR schedule ---
+    params = common.adamw_param_groups(model, args.weight_decay)
     optimizer = torch.optim.AdamW(
-        common.adamw_param_groups(model, args.weight_decay),
-        lr=args.lr,
-        betas=(0.9, args.beta2),
-        fused=device.type == "cuda" and not args.cpu_offload,
+        params, lr=args.lr, betas=(0.9, args.beta2), fused=device.type == "cuda" and not args.cpu_offload
     )
     # Linear warmup from 0 over --warmup-steps, then cosine decay to 10% of --lr at the last step.
     lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
@@ -169,8 +156,7 @@ def main():
     state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": wandb_run_id[0], **layout}
     state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log line: a resumed run logs the same mean
     checkpoint = common.latest_checkpoint(exp_dir)
-    # Every rank must resume from the same step. A --save-dir on each node's own disk would let
-    # the ranks of other nodes silently start over: check against what rank 0 sees.
+    # Every rank resumes from rank 0's step: with --save-dir on each node's own disk, others would start over.
     rank0_checkpoint = [checkpoint]
     dist.broadcast_object_list(rank0_checkpoint, src=0)
     if checkpoint != rank0_checkpoint[0]:
@@ -266,7 +252,6 @@ def main():
                 if due(args.ckpt_freq) or stopping:
                     guard.check()  # a model with NaN weights never becomes a checkpoint
                     state["running_loss"], state["steps_since_log"] = float(running_loss), steps_since_log
-                    # Every rank writes its own shards; rank 0 adds the rest and publishes the checkpoint.
                     with timers("checkpoint"):  # what the save costs the training loop
                         save_checkpoint(
                             exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints, async_saves
@@ -293,13 +278,11 @@ def main():
 
 
 def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device, cp_mesh):
-    """One optimizer step on --grad-accum-steps micro-batches from `batches`. Returns the step's loss
-    and gradient norm, on the device: reading them would wait for the GPU."""
+    """One optimizer step on --grad-accum-steps micro-batches: its loss and gradient norm, left on the device."""
     step_loss = 0.0
     for micro_step in range(args.grad_accum_steps):
-        # FSDP reduce-scatters every micro-step's gradients and adds them to the sharded ones: DDP's way
-        # (no sync till the last) would keep a full fp32 gradient on every rank, 30 GiB at 8B. With HSDP,
-        # the all-reduce between replicas waits for the last micro-step.
+        # FSDP reduce-scatters every micro-step's gradients into the sharded sum: DDP's no-sync would keep a
+        # full fp32 gradient on every rank (30 GiB at 8B). Only HSDP's all-reduce waits for the last micro-step.
         model.set_requires_all_reduce(micro_step == args.grad_accum_steps - 1)
         # Attention runs as ring attention from forward to the end of backward, which passes the keys'
         # and values' gradients around the ring too: entered here, closed after backward.
@@ -310,8 +293,7 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
 
         with timers("forward"), autocast():
             # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
-            # Each micro-batch's mean loss is divided by their number: the gradients they add up
-            # to are those of the mean loss over all rows of the step, as one big batch would give.
+            # Divided by their number, the micro-batches' losses add up to gradients of the step's mean loss.
             loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
 
         with timers("backward"):
@@ -331,8 +313,7 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
 
 
 def build_model(args, config):
-    """The model in fp32 on the CPU: from the config, with random weights drawn from the seed, or with
-    --from-pretrained the published weights (a first run downloads them)."""
+    """The model in fp32 on the CPU: random weights from the seed, or --from-pretrained the published ones."""
     if not args.from_pretrained:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     try:
@@ -342,13 +323,11 @@ def build_model(args, config):
 
 
 def send_full_weights(model, full_model, device):
-    """Rank 0's full weights (`full_model`, None on the other ranks), sent tensor by tensor into every
-    rank's shards of `model`."""
+    """Rank 0's full weights (`full_model`; None elsewhere), sent tensor by tensor into every rank's shards."""
     rank = dist.get_rank()
     full_state = full_model.state_dict() if rank == 0 else {}
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    # Buffers outside the state dict (Llama's rotary frequencies) are not sent: send them too, to
-    # the device, where the model computes (with --cpu-offload, to_empty left them on the CPU).
+    # Buffers outside the state dict (rotary frequencies) are sent too, to the device (to_empty: maybe the CPU).
     for name, buffer in model.named_buffers():
         value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty_like(buffer, device=device)
         dist.broadcast(value, src=0)
@@ -360,9 +339,8 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
     """What the chapter does to the model, in the order it must be done (torchtitan's parallelize_llama
     is the model; main() has switched on activation checkpointing): compile, then FSDP."""
     if use_compile:
-        # Each block compiled on its own: FSDP's hooks between blocks stay outside the compiled code.
-        # Whole, or not at all (fullgraph): a graph break would silently split a block into pieces, each
-        # compiled apart, with the collectives and casts between them left uncompiled.
+        # Each block on its own, FSDP's hooks between blocks outside the compiled code; and whole (fullgraph): a
+        # graph break would silently split it, leaving the collectives and casts between the pieces uncompiled.
         for block in blocks:
             block.compile(fullgraph=True)
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -376,7 +354,8 @@ def check_cp_layout(args, world_size, shard_size):
     """Refuses a --cp-size the ranks or the rows cannot be split by."""
     if world_size % args.cp_size or shard_size % args.cp_size:
         raise SystemExit(
-            f"error: --cp-size {args.cp_size} must divide the number of ranks ({world_size}) and --shard-size ({shard_size})"
+            f"error: --cp-size {args.cp_size} must divide the number of ranks ({world_size}) "
+            f"and --shard-size ({shard_size})"
         )
     if args.seq_length % (2 * args.cp_size):
         raise SystemExit(
@@ -441,10 +420,9 @@ def shard_sequences(batch, cp_mesh):
 
 
 def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
-    """Shards the input embeddings, each block and the output head as units of their own, then the root
-    (the rest). A unit's weights are all-gathered just before its forward and backward, and its gradients
-    reduce-scattered when ready, while the next unit computes. The root's are gathered all step and
-    reduced last: the embeddings and head, the largest weights, stay out of it unless tied (one weight)."""
+    """Shards the input embeddings, each block and the output head as units, then the root (the rest). A unit's
+    weights are all-gathered just before its forward and backward, its gradients reduce-scattered when ready, while
+    the next unit computes. The root's stay gathered all step: the largest, embeddings and head, are units (untied)."""
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     tied = model.config.tie_word_embeddings
     if not tied:
@@ -458,14 +436,12 @@ def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
 
 
 def init_distributed(args, device_type, local_rank):
-    """Joins this process to the job (torchrun said where to find the others), and returns its device:
-    the GPU of its local rank, or the CPU. A collective that waits longer than the timeout fails instead
-    of hanging forever."""
+    """Joins the job (torchrun said where the others are) and returns the device: the local rank's GPU, or
+    the CPU. A collective that waits longer than the timeout fails instead of hanging forever."""
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        # With --cpu-offload the shards and their gradients live on the CPU, and collectives over
-        # them (clipping's norm) need a CPU backend beside NCCL.
+        # With --cpu-offload, collectives over the shards and gradients on the CPU (clipping's norm) need gloo too.
         backend = "cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl"
         dist.init_process_group(backend, timeout=timedelta(minutes=args.dist_timeout), device_id=device)
     else:
@@ -477,8 +453,9 @@ def init_distributed(args, device_type, local_rank):
 
 
 def init_wandb(args, exp_dir, run_id):
-    """The run's wandb runs: one per rank (each rank's timings and memory are its own), grouped by job.
-    Their ids come from the checkpoint, as in chapter 01: a new run never continues an old one."""
+    """The run's wandb run. Its id comes from the checkpoint: a resumed run continues its wandb run, and a
+    new run (after deleting the folder, or another chapter under the same name) never continues an old one."""
+    # One per rank (each rank's timings and memory are its own), grouped by job.
     rank = dist.get_rank()
     wandb_dir = exp_dir / f"rank-{rank}"
     wandb_dir.mkdir(parents=True, exist_ok=True)
@@ -494,13 +471,9 @@ def init_wandb(args, exp_dir, run_id):
 
 
 def export_hf(model, config, tokenizer, folder, dtype):
-    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer.
-
-    The full weights are gathered onto rank 0's CPU, and rank 0 alone writes them, while the others
-    go on to the end of the job.
-    """
+    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer."""
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:
+    if dist.get_rank() != 0:  # the full weights were gathered onto rank 0's CPU: rank 0 alone writes them
         return
     with torch.device("meta"):
         export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -533,11 +506,10 @@ def evaluate(model, val_data, args, device, autocast, cp_mesh) -> float:
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):
-    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position. With
-    `async_saves`, it returns while the shards are copied to CPU memory; async_saves publishes them once written."""
+    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position.
+    With `async_saves`, it returns once the copy to CPU memory has started: written and published beside training."""
     final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
-    # Written under a temporary name and renamed when complete: a crash mid-save leaves no
-    # checkpoint that resume would trust.
+    # Written under a temporary name, renamed when complete: a crash mid-save leaves nothing resume would trust.
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     rank = dist.get_rank()
     with common.saving(tmp_dir, state["global_step"]):
@@ -545,8 +517,7 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
             shutil.rmtree(tmp_dir, ignore_errors=True)
             tmp_dir.mkdir(parents=True)
         dist.barrier()
-        # Every rank writes its own shards, in parallel, and DCP records where each shard sits in the
-        # full tensor: a job with another number of ranks can load them, resharded.
+        # Every rank writes its own shards, and DCP records where each sits in the full tensor: resharded on load.
         model_state, optimizer_state = get_state_dict(model, optimizer)
         shards = {"model": model_state, "optimizer": optimizer_state}
         if async_saves:
