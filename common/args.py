@@ -1,9 +1,5 @@
-"""The command line every chapter shares: chapter 01's flags, each checked when it is parsed.
-
-A chapter adds its own flags to `base_parser()`'s parser, so its diff shows only what it adds. A
-value that would train silently wrong (a negative clipping norm, an infinite learning rate, a row of
-one token, which has no next token to predict) fails at parse time with one line naming the flag.
-"""
+"""Chapter 01's flags, which every chapter adds its own to, each checked as it is parsed: a value that would
+train silently wrong (an infinite learning rate, a row of one token) fails in one line naming the flag."""
 
 import argparse
 import math

@@ -40,10 +40,8 @@ def latest_checkpoint(exp_dir: Path) -> Path | None:
 def publish_checkpoint(tmp_dir: Path, final_dir: Path, keep: int) -> None:
     """Makes a fully written `tmp_dir` the checkpoint `final_dir`, atomically, and keeps the newest `keep`.
 
-    Files are flushed to disk first, so that after a machine crash the renamed folder never holds
-    files whose data did not reach the disk. A rename is atomic: a crash at any point leaves either
-    the old checkpoints or the new one, never a partial one that resume would trust. Several are kept
-    so that one that turns out to be bad is never the only one.
+    Flushed to disk first, then renamed (atomic): a crash at any point leaves the old checkpoints or the new
+    one, never a partial one resume would trust. Several are kept: a bad one is never the only one.
     """
     for path in [*tmp_dir.rglob("*"), tmp_dir]:
         fd = os.open(path, os.O_RDONLY)
@@ -61,31 +59,25 @@ def publish_checkpoint(tmp_dir: Path, final_dir: Path, keep: int) -> None:
 
 
 class AsyncCheckpoints:
-    """--async-checkpoints: DCP saves (dcp.async_save) made beside training, one at a time. A thread
-    copies the shards to CPU memory while the next step computes (the step waits for the copy before it
-    changes them: wait_for_staging), a thread writes them, and rank 0 publishes the save, in a thread
-    too, once its own write has finished, which DCP ends by gathering every rank's result: every rank's
-    shards are on disk by then. Until then the save is a *.tmp folder, which resume ignores and
-    keep-last-k never counts: a kill during the write leaves the checkpoint before it the last one. A
-    save's error (a full disk) reaches the training thread at the next poll() or wait()."""
+    """--async-checkpoints: DCP saves (dcp.async_save) beside training, one at a time. A thread copies the
+    shards to CPU memory while the next step computes (its optimizer step waits for the copy), a thread
+    writes them, and once every rank's write has ended (DCP gathers the results) rank 0 publishes the save,
+    in a thread too. Until then it is a *.tmp folder, which resume ignores: a kill mid-write leaves the
+    checkpoint before it the last. A save's error (a full disk) reaches training at the next poll() or wait()."""
 
     def __init__(self, timeout_minutes: float, device: torch.device, optimizer: torch.optim.Optimizer):
-        # The write's collectives run in a thread, beside training's, so they need a group of their own;
-        # a CPU one (gloo), since they coordinate shards already copied to CPU memory.
+        # The write's collectives run beside training's: a group of their own, on the CPU (gloo), as the copy is.
         self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
-        # One stager for the whole run: the CPU copy of the shards (12.3 GiB per GPU at 70B) is allocated
-        # by the first save and refilled by every later one, never allocated and freed again. It copies in
-        # a thread of its own, beside the next step's forward and backward (a step pre-hook waits for it
-        # before the weights change). On GPUs: into pinned memory, with non-blocking copies on a stream of
-        # its own, the fast device-to-host path; on the CPU neither exists (DCP refuses non-blocking copies
-        # there). No shared memory: it lets DCP's process-based writer read the copy, and ours is a thread.
+        # One stager for the run: the CPU copy of the shards (12.3 GiB per GPU at 70B) is allocated once and
+        # refilled by every save. On GPUs: pinned memory and non-blocking copies on a stream of its own, the
+        # fast path (DCP refuses them on the CPU). No shared memory: that is for a process-based writer.
         self.cuda = cuda = device.type == "cuda"
         options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_non_blocking_copy=cuda)
         self.stager = DefaultStager(options)  # use_async_staging: by default
         # A step changes the weights and moments: it first waits until the last save has copied them.
         optimizer.register_step_pre_hook(lambda *_: self.wait_for_staging())
-        # Rank 0 publishes (fsync, rename, and remove old checkpoints: hundreds of GB at 70B) in a thread
-        # too: on the training thread, every other rank would wait for it at its next collective.
+        # Rank 0 publishes (fsync, rename, remove old ones: hundreds of GB at 70B) in a thread: on the training
+        # thread, every other rank would wait for it at its next collective.
         self.publisher = ThreadPoolExecutor(max_workers=1)
         self.pending = None
 
@@ -133,8 +125,7 @@ class AsyncCheckpoints:
 
 @contextmanager
 def saving(tmp_dir: Path, step: int):
-    """Turns a full disk during a save into one line. The unfinished save is removed; the checkpoints
-    before it are intact, since a save only replaces them once it is complete."""
+    """Turns a full disk during a save into one line. The unfinished save is removed; the ones before are intact."""
     try:
         yield
     # torch.save reports a full disk as a RuntimeError ("iostream error"), DCP as a CheckpointException
@@ -156,8 +147,7 @@ def saving(tmp_dir: Path, step: int):
 
 @contextmanager
 def loading(checkpoint: Path):
-    """Turns a checkpoint that cannot be loaded into one line: one of a model of another shape, or a
-    damaged one (then the one before it, kept by --keep-checkpoints, can be resumed from)."""
+    """Turns a checkpoint that cannot be loaded (another model's shape, or damaged) into one line."""
     try:
         yield
     except (Exception, CheckpointException) as err:
@@ -200,8 +190,8 @@ def check_save_dir(save_dir: str) -> None:
 
 
 def check_resume(checkpoint: Path, state: dict, layout: dict) -> None:
-    """The data position and the LR schedule count global batches of rows of a given length: a run may
-    resume on another number of ranks or micro-batches only if each step still trains the same rows."""
+    """The data position and the LR schedule count global batches of rows of a given length: a run may resume on
+    other numbers of ranks or micro-batches only if each step trains the same rows."""
     changed = [f"{key} {state[key]} -> {value}" for key, value in layout.items() if state[key] != value]
     if changed:
         raise SystemExit(

@@ -17,18 +17,13 @@ _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "
 
 
 def load_and_pack(dataset_name: str, tokenizer, seq_length: int, val_fraction: float):
-    """Tokenizes the `text` column of `dataset_name` and packs it into rows of exactly `seq_length` tokens.
+    """(train, validation) rows of exactly `seq_length` tokens from the `text` column of `dataset_name`: a Hub
+    name, a local folder of json/jsonl/parquet/csv/txt files, or one such file (`datasets.load_dataset`).
 
-    `dataset_name` is a Hub name (`tatsu-lab/alpaca`), a local folder of json/jsonl/parquet/csv/txt
-    files, or one such file: `datasets.load_dataset` takes them all. Each document ends with EOS and
-    documents are concatenated, so no token is spent on padding. Results are cached by `datasets`
-    (keyed by the data, the tokenizer and `seq_length`), so a second run skips the work. The cache
-    holds the packed rows alone, as int32: 4 bytes per token. Rows come out as int64 tensors, with
-    `labels` the same tensor as `input_ids` (the model shifts them), made as they are read.
-
-    Returns (train rows, validation rows). Validation is the dataset's own `validation` (or `test`)
-    split when it has one; otherwise the last `val_fraction` of the packed rows, which training then
-    never sees (None when `val_fraction` is 0).
+    Documents end with EOS and are concatenated: no padding. `datasets` caches the packed rows (int32, 4 bytes
+    per token), keyed by the data, tokenizer and `seq_length`; they are read as int64 `input_ids`, and as
+    `labels` (the model shifts them). Validation is the dataset's own `validation` (or `test`) split, else the
+    last `val_fraction` of the rows, which training never sees (None when 0).
     """
     splits = _load(dataset_name)
     packed = {name: _pack(split, name, dataset_name, tokenizer, seq_length) for name, split in splits.items()}
@@ -41,8 +36,8 @@ def load_and_pack(dataset_name: str, tokenizer, seq_length: int, val_fraction: f
 
 
 def looks_like_path(name: str) -> bool:
-    """A name meant as a local path: `./x`, `../x`, `/x`, `~/x`, or `a/b` where `a` exists here (a Hub
-    name is `owner/name`). Such a name that does not exist is reported as missing, not looked up on the Hub."""
+    """A name meant as a local path (`./x`, `/x`, `~/x`, or `a/b` where `a` exists here; a Hub name is `owner/name`):
+    one that does not exist is reported missing, not looked up on the Hub."""
     first = name.split("/")[0]
     return name.startswith((".", "/", "~")) or os.path.exists(name) or ("/" in name and os.path.exists(first))
 

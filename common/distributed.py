@@ -24,15 +24,12 @@ _phases = itertools.count()  # every rank enters the same rank0_first phases in 
 
 @contextmanager
 def rank0_first(local: bool = False):
-    """Rank 0 runs the block first (downloads, tokenizes, fills the caches), then the other ranks run
-    it and find everything cached. Without it, every rank would download and tokenize at once.
+    """Rank 0 runs the block first (downloads, tokenizes, fills the caches), then the other ranks run it
+    and find everything cached. `local=True`: local rank 0 of every node, for caches on each node's disk.
 
-    With `local=True`, local rank 0 of every node goes first: for caches on each node's own disk.
-    The others wait for as long as it takes, not for --dist-timeout: preparing a large corpus takes
-    hours, and a collective would time out. They poll the job's key-value store (torchrun's), which
-    no timeout ends, and say every 10 minutes what they wait for; if the first rank dies, torchrun
-    stops them. If it stops with an error (a bad --dataset-name, say), the waiting ranks stop with the
-    same message instead of waiting on: every rank reports what went wrong.
+    The others wait as long as it takes (a large corpus takes hours; a collective would time out): they poll
+    torchrun's key-value store, saying every 10 minutes what they wait for. If the first rank dies, torchrun
+    stops them; if it stops with an error (a bad --dataset-name), they stop with the same message.
     """
     store = dist.distributed_c10d._get_default_store()
     rank, local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
@@ -62,12 +59,8 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote pr
 
 
 def record(main):
-    """torchrun's `@record`, which also records the one-line errors the chapters stop with.
-
-    `@record` writes a failing rank's exception to the error file whose contents torchrun's failure
-    summary prints, the last lines of a failed job; but it lets a `SystemExit` pass unrecorded, and
-    the summary would then say nothing of a bad flag or dataset. This records those too.
-    """
+    """torchrun's `@record` (a failing rank's exception to the error file that torchrun's failure summary,
+    the job's last lines, prints), which also records the chapters' one-line `SystemExit` errors."""
 
     @functools.wraps(main)
     def main_recording_exits(*args, **kwargs):
@@ -91,9 +84,8 @@ def record(main):
 
 
 class StopSignal:
-    """SIGTERM (sent by Slurm before a time limit, by schedulers before a preemption, by torchrun when
-    it stops) or Ctrl-C asks the run to stop: it finishes its step, saves a checkpoint and exits, and
-    rerunning resumes. A second Ctrl-C stops at once."""
+    """SIGTERM (Slurm before a time limit, schedulers before a preemption, torchrun when it stops) or Ctrl-C:
+    the run finishes its step, saves a checkpoint and exits; rerunning resumes. A second Ctrl-C stops at once."""
 
     def __init__(self):
         self.name = None
@@ -109,13 +101,9 @@ class StopSignal:
         logger.warning(f"{self.name}: stopping after this step, with a checkpoint")
 
     def agreed(self, device: torch.device) -> str | None:
-        """In a distributed job: the signal's name once any rank has got one, on every rank at the same step.
-
-        The signal reaches the ranks at different steps, and a rank that stopped alone would leave the
-        others waiting in a collective. So every step all-reduces "has any rank got one?". On a GPU
-        the answer is read one step later, when the GPU has long computed it: waiting for it then
-        never idles the GPU, as reading it at once (a host-device sync every step) would.
-        """
+        """The signal's name once any rank has got one, on every rank at the same step: a rank stopping alone
+        would leave the others waiting in a collective. Every step all-reduces "has any rank got one?"; on a
+        GPU the answer is read one step later, long computed: no host-device sync every step."""
         # Filled on the device: torch.tensor(value, device=...) would copy from the host, and wait for it.
         flag = torch.full((), float(self.name is not None), device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

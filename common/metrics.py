@@ -1,6 +1,5 @@
-"""What the chapters measure, and where it goes: log lines, phase timers (and across ranks, the
-straggler), memory, FLOPs and the GPU peaks for MFU, the non-finite guard, and the metrics
-(metrics.jsonl and wandb)."""
+"""What the chapters measure, and where it goes: log lines, phase timers and the straggler, memory, FLOPs and
+GPU peaks for MFU, the non-finite guard, metrics.jsonl and wandb."""
 
 import json
 import logging
@@ -25,9 +24,8 @@ from torch.distributed.tensor import DTensor
 logger = logging.getLogger(__name__)
 
 SEE = 'DIAGNOSING.md, "The job is slower than it should be"'
-# A straggler works below 0.8 x the median pace of all ranks, as `python -m tools.preflight --threshold`
-# defaults to, for this many log steps in a row: one slow interval (a compile, a neighbour's burst on
-# a shared CPU) is not a straggler.
+# Below 0.8 x the median pace (as tools.preflight's --threshold) for 5 log steps in a row: one slow interval
+# (a compile, a neighbour's burst on a shared CPU) is not a straggler.
 STRAGGLER_THRESHOLD, STRAGGLER_LOG_STEPS = 0.8, 5
 
 
@@ -42,16 +40,11 @@ def setup_logging(prefix: str = "", level: int = logging.INFO) -> None:
     handler = _TqdmHandler()
     handler.setFormatter(logging.Formatter(f"{prefix}[%(asctime)s] %(levelname)s:%(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
-    # transformers imports torchao, when installed, for its quantizers; torchao then warns about
-    # kernels it has not built for this machine, which no chapter uses (chapter 06's float8 needs none).
-    for name in ["torchao", "torch.utils._pytree"]:
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 class NonFiniteGuard:
-    """Watches the loss and gradient norm for NaN or Inf without a host-device sync of its own: it notes
-    on the device the first step with a non-finite value, and `check()` reads that where the host
-    waits anyway (at log lines, and before a save, so that a broken model never becomes a checkpoint)."""
+    """Notes on the device the first step whose loss or gradient norm is NaN or Inf, with no sync of its own:
+    `check()` reads it where the host waits anyway (log lines; before a save: no broken model is saved)."""
 
     def __init__(self, device: torch.device):
         self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)
@@ -75,20 +68,15 @@ class NonFiniteGuard:
 class PhaseTimers:
     """Time per phase of the training step (data, forward, ...), averaged between two `summary()` calls.
 
-    On CUDA the GPU runs behind the CPU, so wall-clock time around a phase measures the CPU queueing
-    kernels, not the GPU running them. Each phase is therefore bracketed by CUDA events on the stream;
-    reading them needs a sync, which happens once, in `summary()` at log time, not once per phase.
-
-    `compare_ranks`: `summary()` also names the straggler (see Stragglers), a collective: every rank
-    calls it at the same steps. `blocks`: the transformer blocks, whose forward is then also timed on
-    its own ("compute"), between the hooks FSDP runs before and after it: FSDP's forward waits for its
-    all-gathers, so the forward phase holds the time a rank waits for the slowest one.
+    The GPU runs behind the CPU: wall-clock time would measure the CPU queueing kernels. So on CUDA each
+    phase is bracketed by CUDA events, read with one sync in `summary()`, at log time.
+    `compare_ranks`: `summary()` also names the straggler (a collective: every rank calls it at the same steps).
+    `blocks`: their forward is also timed alone ("compute"), between FSDP's hooks, without its all-gathers' waits.
     """
 
     def __init__(self, device: torch.device, compare_ranks: bool = False, blocks=()):
         self.use_cuda_events = device.type == "cuda"
-        self._events = defaultdict(list)
-        self._seconds = defaultdict(list)
+        self._spans = defaultdict(list)  # (start, end) per phase: CUDA events, or perf_counter()'s seconds
         self._block_starts = []
         self._stragglers = Stragglers(device) if compare_ranks else None
         for block in blocks:
@@ -96,46 +84,36 @@ class PhaseTimers:
             block.register_forward_pre_hook(self._block_start)
             block.register_forward_hook(self._block_end)
 
-    def _start(self):
-        if self.use_cuda_events:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            return start
-        return time.perf_counter()
-
-    def _stop(self, phase: str, start) -> None:
-        if self.use_cuda_events:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._events[phase].append((start, end))
-        else:
-            self._seconds[phase].append(time.perf_counter() - start)
+    def _now(self):
+        if not self.use_cuda_events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     @contextmanager
     def __call__(self, phase: str):
-        start = self._start()
+        start = self._now()
         yield
-        self._stop(phase, start)
+        self._spans[phase].append((start, self._now()))
 
     # Run as FSDP's hooks are, outside a block's compiled graph (which then stays whole).
     @torch.compiler.disable
     def _block_start(self, module, args):
-        self._block_starts.append(self._start())
+        self._block_starts.append(self._now())
 
     @torch.compiler.disable
     def _block_end(self, module, args, output):
-        self._stop("compute", self._block_starts.pop())
+        self._spans["compute"].append((self._block_starts.pop(), self._now()))
 
     def summary(self, steps: int) -> dict:
         """Milliseconds per step in each phase since the last call (a phase may run several times in a
         step: once per micro-batch), then starts over; with `compare_ranks`, the straggler's keys too."""
         if self.use_cuda_events:
             torch.cuda.synchronize()
-            for phase, pairs in self._events.items():
-                self._seconds[phase] = [start.elapsed_time(end) / 1000 for start, end in pairs]
-            self._events.clear()
-        result = {f"time/{phase}_ms": 1000 * sum(s) / steps for phase, s in self._seconds.items()}
-        self._seconds.clear()
+        ms = (lambda s, e: s.elapsed_time(e)) if self.use_cuda_events else (lambda s, e: 1000 * (e - s))
+        result = {f"time/{phase}_ms": sum(ms(*span) for span in spans) / steps for phase, spans in self._spans.items()}
+        self._spans.clear()
         if self._stragglers is not None:
             result |= self._stragglers.report(result)
         return result
@@ -144,18 +122,11 @@ class PhaseTimers:
 class Stragglers:
     """Names the rank that holds the others back, from every rank's timings at a log step.
 
-    In a synchronous job every rank's step takes as long as the slowest rank's: the others wait for it
-    inside the next collective, and that wait lands in a phase of theirs (DDP's gradient all-reduce in
-    backward, FSDP's all-gathers in forward). The largest step time, or the largest time of any phase,
-    therefore names any rank, most often one that waits. What a rank does alone is its own: loading
-    its batch ("data"), and computing ("compute": the blocks' forward between FSDP's collectives where
-    timed, else the forward, in which DDP has no collective). The straggler is the rank whose data +
-    compute is the largest; the others' waits make up the difference. (The backward has collectives
-    inside under DDP and FSDP alike, so it is not counted: a slow GPU is slow in forward too.)
-
-    One all-gather of a few numbers per log step, on the device (after summary's sync), and the host
-    names once, at the start. Rank 0 warns when the same rank works below STRAGGLER_THRESHOLD x the
-    median pace for STRAGGLER_LOG_STEPS log steps in a row, naming the likely cause.
+    Every rank's step takes as long as the slowest's: the others wait in a collective, and the wait lands
+    in one of their phases. So a rank's own work is what it does alone: loading its batch ("data") and
+    computing ("compute": the blocks' forward between FSDP's collectives, else DDP's collective-free
+    forward; backward has collectives under both). The straggler's data + compute is the largest. Rank 0
+    warns when one rank works below STRAGGLER_THRESHOLD x the median pace for STRAGGLER_LOG_STEPS log steps.
     """
 
     PHASES = ("data", "forward", "backward", "optimizer", "compute")
@@ -218,8 +189,7 @@ def memory_stats(device: torch.device) -> dict:
 
 
 def shard_memory(model, optimizer) -> dict:
-    """This rank's share of the weights and of AdamW's moments (sharded: DTensors; the gradients match
-    the weights)."""
+    """This rank's share of the weights (and so of the gradients) and of AdamW's moments: DTensors, sharded."""
     gib = 2**30
     params = sum(p.to_local().nbytes for p in model.parameters())
     moments = sum(v.to_local().nbytes for s in optimizer.state.values() for v in s.values() if isinstance(v, DTensor))
@@ -227,13 +197,9 @@ def shard_memory(model, optimizer) -> dict:
 
 
 def flops_per_token(model, config, seq_length: int) -> float:
-    """Training FLOPs per token: 6 per matmul weight (2 forward, 4 backward) plus attention (PaLM paper, app. B).
-
-    The weights are those of the model's linear layers, counted by their full shape (also when
-    sharded), whatever their class: torch's, torchao's FP8 ones, and Transformer Engine's, which are no
-    nn.Linear. The input embedding is a lookup and costs nothing, while a tied output head shares the
-    embedding's weight and still costs a full matmul.
-    """
+    """Training FLOPs per token: 6 per matmul weight (2 forward, 4 backward) plus attention (PaLM, app. B).
+    The weights are those of every linear layer (torch's, torchao's, Transformer Engine's), at full shape;
+    the input embedding is a lookup, free, while a tied output head still costs a full matmul."""
     linears = [m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
     matmul_weights = sum(m.in_features * m.out_features for m in linears)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -243,21 +209,9 @@ def flops_per_token(model, config, seq_length: int) -> float:
 
 # Dense (not sparse) bf16 tensor-core peaks from the vendors' datasheets, FLOP/s, by the name
 # torch.cuda.get_device_name() reports, less its "NVIDIA " prefix.
-_PEAK_BF16_FLOPS = {
-    "GB200": 2.5e15,
-    "B200": 2.25e15,
-    "GH200": 989e12,
-    "H200": 989e12,
-    "H200 NVL": 835e12,
-    "H100": 989e12,  # the SXM part reports "H100 80GB HBM3"
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L40": 181e12,
-    "L4": 121e12,
-    "A10": 125e12,
-}
+_PEAK_BF16_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12, "H200 NVL": 835e12}
+_PEAK_BF16_FLOPS |= {"H100": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "A100": 312e12}  # SXM: "H100 80GB HBM3"
+_PEAK_BF16_FLOPS |= {"L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10": 125e12}
 
 
 def peak_bf16_flops(device: torch.device) -> float | None:
@@ -268,8 +222,7 @@ def peak_bf16_flops(device: torch.device) -> float | None:
 
 
 def lookup_peak_flops(name: str) -> float | None:
-    """The longest entry found in `name` as whole words: "H100 PCIe" wins over "H100", and "L4"
-    never matches "L40S", nor "B200" "GB200"."""
+    """The longest entry in `name` as whole words: "H100 PCIe" over "H100"; "L4" never matches "L40S"."""
     for key in sorted(_PEAK_BF16_FLOPS, key=len, reverse=True):
         if re.search(rf"(?<![\w]){re.escape(key)}(?![\w])", name):
             return _PEAK_BF16_FLOPS[key]
@@ -288,10 +241,9 @@ def stop_wandb_calls() -> None:
 def log_metrics(metrics: dict, jsonl: Path | None) -> None:
     """One record (with its "step") to the file `jsonl` (None: not from this rank) and to wandb.
 
-    Slurm sends its stop signal to every process of a job, wandb's service process included: if that
-    has stopped, the metrics still reach the file and training goes on to its checkpoint. Once this
-    process has had a stop signal, wandb is not called at all: a service that is shutting down may
-    leave the call waiting, and the checkpoint unsaved when the scheduler's grace period ends.
+    Slurm's stop signal reaches wandb's service process too: if it has stopped, the metrics still reach the
+    file and training goes on to its checkpoint. After a stop signal wandb is not called at all: a service
+    shutting down may leave the call waiting past the scheduler's grace period, the checkpoint unsaved.
     """
     if jsonl is not None:
         with open(jsonl, "a") as f:
@@ -305,8 +257,8 @@ def log_metrics(metrics: dict, jsonl: Path | None) -> None:
 
 
 def wandb_mode() -> str | None:
-    """`WANDB_MODE` when set; otherwise online if a W&B login exists and its server answers, else
-    offline, saying why in one line (never a key prompt, never a stall on a node without network)."""
+    """`WANDB_MODE` when set; else online if a W&B login exists and its server answers, else offline, saying
+    why in one line (never a key prompt, never a stall on a node without network)."""
     if os.environ.get("WANDB_MODE"):
         return None  # wandb reads it itself
     if not wandb.login(prompt=False, verify=False):

@@ -57,10 +57,8 @@ def load_config_and_tokenizer(model_name: str, seq_length: int):
 
 
 def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on the weight matrices (2-D and up: linear layers and embeddings), none on norms and
-    biases, as nanoGPT and Megatron-LM do. A sharded parameter (DTensor) has its full shape's `ndim`,
-    so FSDP gets the same groups. Tied weights appear once in `parameters()`, so once here.
-    """
+    """Weight decay on weight matrices (linear layers, embeddings), none on norms and biases, as nanoGPT and
+    Megatron-LM do. A DTensor has its full shape's `ndim`: FSDP gets the same groups."""
     params = [p for p in model.parameters() if p.requires_grad]
     return [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
@@ -69,8 +67,7 @@ def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks, found by the class names HF lists in `_no_split_modules` (LlamaDecoderLayer, ...),
-    so that no model family's attribute path is hard-coded."""
+    """The repeated blocks, by the class names HF lists in `_no_split_modules`: no family's path hard-coded."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [module for module in model.modules() if type(module).__name__ in names]
     if not blocks:
@@ -81,24 +78,15 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-# What selective activation checkpointing keeps of a block (torchtitan's policy, its save list in
-# torchtitan/distributed/activation_checkpoint.py): the outputs of the ops whose recomputation costs
-# most, attention, TP's reduce-scatters and every other matmul (q, v, gate and down of a Llama block;
-# k, o and up are recomputed), and the amaxes that scale FP8's casts (torch.max, with rowwise scales
-# torch.amax): one number per tensor (or row) whose reduction reads the whole tensor again. torchao's FP8
-# layers reach the policy as one aten.mm each, on its float8 tensors, never as the _scaled_mm they run:
-# counted as any matmul, they alternate as in high precision. The rest (norms, the MLP's activation,
-# rotary embeddings, residual adds, FP8's elementwise casts) is cheap to recompute.
-_KEEP = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten.max.default,
-    torch.ops.aten.amax.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-}
+# What selective activation checkpointing keeps of a block (torchtitan's save list, in its
+# distributed/activation_checkpoint.py): the outputs of the ops costliest to recompute: attention, TP's
+# reduce-scatters, every other matmul (q, v, gate, down of a Llama block), and the amaxes that scale FP8's
+# casts (max, rowwise amax: one number that reads the whole tensor again). torchao's FP8 layers reach the
+# policy as aten.mm, so they alternate alike. The rest (norms, activations, rotary, casts) is cheap.
+aten = torch.ops.aten
+_KEEP = {aten.mm.default, aten.max.default, aten.amax.default, torch.ops._c10d_functional.reduce_scatter_tensor.default}
+_KEEP |= {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default}
+_KEEP |= {aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
 def _selective_context():
@@ -118,9 +106,8 @@ def _selective_context():
 
 
 def checkpointing_options(mode: str) -> dict:
-    """torch.utils.checkpoint's options for --activation-checkpointing `mode`, as HF's
-    gradient_checkpointing_enable passes them on: non-reentrant (PyTorch's recommended variant, which
-    torch.compile traces), and with "selective", a fresh per-op policy for every checkpointed block."""
+    """torch.utils.checkpoint's options for HF's gradient_checkpointing_enable: non-reentrant (which compile
+    traces), and for "selective", a fresh per-op policy for every checkpointed block."""
     options = {"use_reentrant": False}
     if mode == "selective":
         options["context_fn"] = _selective_context

@@ -1,10 +1,6 @@
-"""Chapters 05 and 06's tensor-parallel helpers: the checks and the model families' norms around the
-chapters' Llama plan (`apply_tp`), so the plan itself stays the chapter's lesson.
-
-`parallelize_module` skips a name it cannot find with only a warning, and leaves a module it is not
-told about unsplit: a model of another layout would train with some layers outside the tp mesh, or
-fail at its first step. `check_plan` refuses both, naming the modules.
-"""
+"""Chapters 05 and 06's tensor-parallel helpers around their Llama plan (`apply_tp`): checks, and the norms
+other families add. `parallelize_module` only warns of a name it cannot find, and leaves a module it is not
+told about unsplit: `check_plan` refuses both, naming the modules."""
 
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
