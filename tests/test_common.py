@@ -54,19 +54,6 @@ def test_packed_rows_take_4_bytes_per_token_on_disk(tmp_path, monkeypatch):
     assert row["input_ids"].dtype == torch.int64 and row["labels"].equal(row["input_ids"])
 
 
-def test_data_prepared_beforehand_is_found_by_the_chapters(tmp_path):
-    """python -m common.prepare fills the cache that a chapter then reads: the chapter tokenizes nothing."""
-    from harness import FAST_ARGS, chapter_env, run_chapter
-
-    hf_home = tmp_path / "hf"
-    prepare = [sys.executable, "-m", "common.prepare", "--seq-length", "128"]
-    proc = subprocess.run(prepare, env=chapter_env(hf_home), cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "(1,308,032 tokens)" in proc.stdout and "(4.00 bytes per token)" in proc.stdout, proc.stdout
-    run = run_chapter("01-single-gpu", *FAST_ARGS, "--max-steps", "1", "--save-dir", str(tmp_path), hf_home=hf_home)
-    assert "Tokenizing" not in run.stderr
-
-
 def test_validation_rows_are_held_out_of_training(tmp_path, monkeypatch):
     """Without a validation split, the last --val-fraction of the packed rows: training never sees them."""
     from transformers import AutoTokenizer

@@ -269,7 +269,11 @@ def test_planner_counts_the_bytes_through_each_nic(nodes, capsys):
     assert fsdp["nvlink_dp"] == 0
     assert hsdp["network_per_nic"] == pytest.approx(2 * (nodes - 1) / nodes * 4 * p / 8)
     assert hsdp["nvlink_dp"] == pytest.approx(fsdp_bytes / 8 * (7 / 8) / ((gpus - 1) / gpus) * 8)
-    assert tp["network_per_nic"] == pytest.approx(tp["sent_dp"]) == pytest.approx((nodes - 1) / nodes * (fsdp_bytes * gpus / (gpus - 1)) / 8)
+    assert (
+        tp["network_per_nic"]
+        == pytest.approx(tp["sent_dp"])
+        == pytest.approx((nodes - 1) / nodes * (fsdp_bytes * gpus / (gpus - 1)) / 8)
+    )
     main([str(REPO / "tools" / "model_shapes" / "llama-3.1-70b"), "--nodes", str(nodes), "--shard-size", "8"])
     out = capsys.readouterr().out
     assert "Per GPU, HSDP over 8, tp 1" in out
@@ -331,3 +335,16 @@ def test_memory_tool_measures_a_real_fsdp_step_beside_the_plan():
         assert measured == pytest.approx(planned, rel=0.02), (name, proc.stdout)
     measured, planned = rows["total"]
     assert measured <= planned <= 1.15 * measured, proc.stdout
+
+
+def test_data_prepared_beforehand_is_found_by_the_chapters(tmp_path):
+    """python -m tools.prepare fills the cache that a chapter then reads: the chapter tokenizes nothing."""
+    from harness import FAST_ARGS, chapter_env, run_chapter
+
+    hf_home = tmp_path / "hf"
+    prepare = [sys.executable, "-m", "tools.prepare", "--seq-length", "128"]
+    proc = subprocess.run(prepare, env=chapter_env(hf_home), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(1,308,032 tokens)" in proc.stdout and "(4.00 bytes per token)" in proc.stdout, proc.stdout
+    run = run_chapter("01-single-gpu", *FAST_ARGS, "--max-steps", "1", "--save-dir", str(tmp_path), hf_home=hf_home)
+    assert "Tokenizing" not in run.stderr

@@ -5,7 +5,7 @@ preparing first keeps the GPUs from idling through it. Run it on a machine that 
 (or, with --node-local-cache, on every node), with as many cores as the training nodes have: the
 cache is keyed by the number of worker processes too, one per 50,000 documents up to the cores.
 
-    python -m common.prepare --model-name meta-llama/Llama-3.1-8B --dataset-name ./corpus --seq-length 4096
+    python -m tools.prepare --model-name meta-llama/Llama-3.1-8B --dataset-name ./corpus --seq-length 4096
 """
 
 import argparse
