@@ -1,6 +1,7 @@
 """The guide's tools (tools/): the chapter differ, the benchmark, the planner and the plot. The chapters'
 run-time code in common/ is tested in test_common.py."""
 
+import ast
 import os
 import re
 import subprocess
@@ -23,6 +24,17 @@ def test_chapter_readmes_embed_their_current_diff():
         assert marker in readme, f"{chapter.name}/README.md must embed its diff against {previous.name}"
         assert updated_readme(readme) == readme, (
             f"stale diff in {chapter.name}/README.md: run python -m tools.diff --update"
+        )
+
+
+def test_chapters_stay_within_the_guides_sizes():
+    """The style guide's limits: a chapter is read top to bottom, so it stays under 600 lines, main() under 260."""
+    for chapter in chapters():
+        source = (chapter / "train_llm.py").read_text()
+        main = next(node for node in ast.parse(source).body if getattr(node, "name", None) == "main")
+        assert len(source.splitlines()) <= 600, f"{chapter.name}/train_llm.py: {len(source.splitlines())} lines"
+        assert main.end_lineno - main.lineno + 1 <= 260, (
+            f"{chapter.name}: main() has {main.end_lineno - main.lineno + 1}"
         )
 
 
