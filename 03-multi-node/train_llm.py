@@ -86,7 +86,7 @@ def main():
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # --- 4. Model ---
-    # Built on the CPU and then moved, so every chapter starts from the same weights for a seed.
+    # Built on the CPU from the seed: every chapter starts from the same weights.
     torch.manual_seed(args.seed)
     with common.rank0_first(local=args.node_local_cache):  # a first run downloads the weights
         model = build_model(args, config)

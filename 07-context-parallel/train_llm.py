@@ -114,8 +114,8 @@ def main():
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # --- 4. Model ---
-    # Only rank 0 ever holds the whole model, on the CPU, built as before (the same seed, the same weights);
-    # the others wait on the job's store (rank0_first) for as long as a download takes, not in a collective.
+    # Built on the CPU from the seed: every chapter starts from the same weights.
+    # Only rank 0 holds it whole; the others wait on the job's store (rank0_first) as long as a download takes.
     torch.manual_seed(args.seed)
     with common.rank0_first():
         full_model = build_model(args, config) if rank == 0 else None
@@ -133,7 +133,7 @@ def main():
     model.to_empty(device="cpu" if args.cpu_offload else device)
     send_full_weights(model, full_model, device)
     del full_model
-    num_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its full size
+    num_params = sum(p.numel() for p in model.parameters())
     logger.info(f"{num_params:,} parameters, sharded over {shard_size} ranks; rows split over {args.cp_size} cp ranks")
 
     # --- 5. Optimizer and LR schedule ---
@@ -532,8 +532,7 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
             if not async_saves:
                 common.publish_checkpoint(tmp_dir, final_dir, keep)
                 logger.info(f"Saved {final_dir}")
-    # No rank runs ahead (and may crash) before the checkpoint is complete (or, asynchronous, under way).
-    dist.barrier()
+    dist.barrier()  # no rank runs ahead (and may crash) before the checkpoint is complete, or under way
 
 
 def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
