@@ -152,9 +152,7 @@ def main():
 
     # --- 5. Optimizer and LR schedule ---
     params = common.adamw_param_groups(model, args.weight_decay)
-    optimizer = torch.optim.AdamW(
-        params, lr=args.lr, betas=(0.9, args.beta2), fused=device.type == "cuda" and not args.cpu_offload
-    )
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=True)  # one kernel, GPU or CPU
     # Linear warmup from 0 over --warmup-steps, then cosine decay to 10% of --lr at the last step.
     lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, args.warmup_steps, total_steps, min_lr_rate=0.1
