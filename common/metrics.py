@@ -209,9 +209,21 @@ def flops_per_token(model, config, seq_length: int) -> float:
 
 # Dense (not sparse) bf16 tensor-core peaks from the vendors' datasheets, FLOP/s, by the name
 # torch.cuda.get_device_name() reports, less its "NVIDIA " prefix.
-_PEAK_BF16_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12, "H200 NVL": 835e12}
-_PEAK_BF16_FLOPS |= {"H100": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "A100": 312e12}  # SXM: "H100 80GB HBM3"
-_PEAK_BF16_FLOPS |= {"L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10": 125e12}
+_PEAK_BF16_FLOPS = {
+    "GB200": 2.5e15,
+    "B200": 2.25e15,
+    "GH200": 989e12,
+    "H200": 989e12,
+    "H200 NVL": 835e12,
+    "H100": 989e12,  # the SXM part reports "H100 80GB HBM3"
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "A10": 125e12,
+}
 
 
 def peak_bf16_flops(device: torch.device) -> float | None:

@@ -83,10 +83,16 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 # reduce-scatters, every other matmul (q, v, gate, down of a Llama block), and the amaxes that scale FP8's
 # casts (max, rowwise amax: one number that reads the whole tensor again). torchao's FP8 layers reach the
 # policy as aten.mm, so they alternate alike. The rest (norms, activations, rotary, casts) is cheap.
-aten = torch.ops.aten
-_KEEP = {aten.mm.default, aten.max.default, aten.amax.default, torch.ops._c10d_functional.reduce_scatter_tensor.default}
-_KEEP |= {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default}
-_KEEP |= {aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
+_KEEP = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten.max.default,
+    torch.ops.aten.amax.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
 
 
 def _selective_context():
