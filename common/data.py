@@ -16,22 +16,36 @@ DEFAULT_DATASET = str(Path(__file__).parent / "tiny_tasks")
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text", ".arrow": "arrow"}
 
 
-def load_and_pack(dataset_name: str, tokenizer, seq_length: int, val_fraction: float):
+def load_and_pack(dataset_name: str, tokenizer, seq_length: int, val_fraction: float, min_val_rows: int = 1):
     """(train, validation) rows of exactly `seq_length` tokens from the `text` column of `dataset_name`: a Hub
     name, a local folder of json/jsonl/parquet/csv/txt files, or one such file (`datasets.load_dataset`).
 
     Documents end with EOS and are concatenated: no padding. `datasets` caches the packed rows (int32, 4 bytes
     per token), keyed by the data, tokenizer and `seq_length`; they are read as int64 `input_ids`, and as
     `labels` (the model shifts them). Validation is the dataset's own `validation` (or `test`) split, else the
-    last `val_fraction` of the rows, which training never sees (None when 0).
+    last `val_fraction` of the rows, which training never sees (None when 0), and at least `min_val_rows`
+    (one evaluation batch on all ranks: 1% of a small dataset can be fewer rows than a batch).
     """
     splits = _load(dataset_name)
     packed = {name: _pack(split, name, dataset_name, tokenizer, seq_length) for name, split in splits.items()}
     train = packed["train"]
-    val = packed.get("validation", packed.get("test"))
-    if val is None and val_fraction > 0 and len(train) > 1:
-        held_out = math.ceil(val_fraction * len(train))
+    val_split = "validation" if "validation" in packed else "test"
+    val = packed.get(val_split)
+    if val is None and val_fraction > 0:
+        held_out = max(math.ceil(val_fraction * len(train)), min_val_rows)
+        if held_out >= len(train):
+            raise SystemExit(
+                f"error: --val-fraction {val_fraction} holds out {held_out} of the {len(train)} rows of {seq_length} "
+                f"tokens (at least one evaluation batch of {min_val_rows}), leaving none to train on: pass "
+                "--val-fraction 0 (no validation), or a smaller --batch-size or --seq-length"
+            )
         train, val = train.select(range(len(train) - held_out)), train.select(range(len(train) - held_out, len(train)))
+    if val is not None and len(val) < min_val_rows:
+        raise SystemExit(
+            f"error: --dataset-name {dataset_name!r}: its {val_split} split packs into {len(val)} rows of "
+            f"{seq_length} tokens, fewer than one evaluation batch ({min_val_rows} rows: --batch-size on every "
+            "rank); pass a smaller --batch-size or --seq-length"
+        )
     return train, val
 
 

@@ -124,6 +124,33 @@ def test_a_single_data_file_is_accepted(tmp_path, hf_cache):
     assert len(train) > 0 and len(val) == -(-(len(train) + len(val)) // 10)
 
 
+def test_validation_holds_out_at_least_one_batch_and_refuses_what_cannot_train(tmp_path, hf_cache):
+    """1% of a small dataset can be fewer rows than one evaluation batch on all ranks (7 rows of 2048
+    tokens against 8 for Llama-3.2-1B's documented command): at least one batch is held out, and
+    refused only where it leaves nothing to train on, or where the dataset's own split is smaller."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    lines = "".join(json.dumps({"text": f"line {i} of a file"}) + "\n" for i in range(100))
+    path = write(tmp_path / "data" / "train.jsonl", lines)
+    train, val = load_and_pack(str(path), tokenizer, 16, 0.01, min_val_rows=8)
+    assert len(val) == 8 and len(train) > 8
+    with pytest.raises(SystemExit) as exit:
+        load_and_pack(str(path), tokenizer, 16, 0.01, min_val_rows=len(train) + 8)
+    assert str(exit.value.code).startswith(f"error: --val-fraction 0.01 holds out {len(train) + 8} of the")
+    assert "leaving none to train on: pass --val-fraction 0 (no validation), or a smaller" in str(exit.value.code)
+    assert load_and_pack(str(path), tokenizer, 16, 0.0, min_val_rows=10_000)[1] is None  # no validation asked
+    write(tmp_path / "data" / "validation.jsonl", json.dumps({"text": "a short validation split " * 3}) + "\n")
+    with pytest.raises(SystemExit) as exit:
+        load_and_pack(str(path), tokenizer, 16, 0.01, min_val_rows=8)
+    message = str(exit.value.code)
+    assert message.startswith("error: --dataset-name") and "its validation split packs into " in message
+    assert message.endswith(
+        "rows of 16 tokens, fewer than one evaluation batch (8 rows: --batch-size on every rank); pass a smaller "
+        "--batch-size or --seq-length"
+    )
+
+
 def model_error(folder) -> str:
     with pytest.raises(SystemExit) as exit:
         load_config_and_tokenizer(str(folder), 16)
