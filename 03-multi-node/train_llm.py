@@ -93,8 +93,7 @@ def main():
         model = build_model(args, config)
     if args.activation_checkpointing:
         # Each block keeps its input (selective: and some matmuls' and attention's outputs), recomputes the rest.
-        options = common.checkpointing_options(args.activation_checkpointing)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+        common.checkpoint_blocks(common.transformer_blocks(model), args.activation_checkpointing)
     model = model.to(device)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(f"{num_params:,} parameters")

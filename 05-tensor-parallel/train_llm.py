@@ -122,8 +122,7 @@ def main():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if args.activation_checkpointing:
         # Each block keeps its input (selective: and some matmuls' and attention's outputs), recomputes the rest.
-        options = common.checkpointing_options(args.activation_checkpointing)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+        common.checkpoint_blocks(common.transformer_blocks(model), args.activation_checkpointing)
     # Found once, now: fully_shard changes each block's class, and then the names would not match.
     blocks = common.transformer_blocks(model)
     parallelize(model, blocks, mesh, args, dtype, use_compile)

@@ -16,5 +16,5 @@ from common.data import DEFAULT_DATASET, load_and_pack
 from common.distributed import StopSignal, rank0_first, record
 from common.metrics import NonFiniteGuard, PhaseTimers, flops_per_token, log_metrics, memory_stats, peak_bf16_flops
 from common.metrics import setup_logging, shard_memory, wandb_mode
-from common.model import DEFAULT_MODEL, adamw_param_groups, checkpointing_options, load_config_and_tokenizer
+from common.model import DEFAULT_MODEL, adamw_param_groups, checkpoint_blocks, load_config_and_tokenizer
 from common.model import transformer_blocks

@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers import AutoConfig, AutoTokenizer
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -111,10 +111,28 @@ def _selective_context():
     return create_selective_checkpoint_contexts(policy)
 
 
-def checkpointing_options(mode: str) -> dict:
-    """torch.utils.checkpoint's options for HF's gradient_checkpointing_enable: non-reentrant (which compile
-    traces), and for "selective", a fresh per-op policy for every checkpointed block."""
-    options = {"use_reentrant": False}
-    if mode == "selective":
-        options["context_fn"] = _selective_context
-    return options
+def checkpoint_blocks(blocks: list[torch.nn.Module], mode: str) -> None:
+    """Activation checkpointing ("full" or "selective") put by the chapter itself, whatever transformers does:
+    each block's forward runs under torch's non-reentrant checkpoint, inside what compile traces and FSDP wraps,
+    so each compiled block holds its own checkpoint region (torchtitan wraps its blocks the same way). HF's
+    gradient_checkpointing_enable wraps the whole call instead in transformers < 5.23: FSDP's hooks and the
+    compiled block then ran inside the checkpoint, and compile never saw the recompute. "selective" gives every
+    call a fresh per-op policy."""
+    for block in blocks:
+        block.forward = (_selective if mode == "selective" else _full)(block.forward)
+
+
+# Functions, not functools.partial: dynamo traces these into the block's graph (it skips the whole frame of a
+# partial of checkpoint), and takes a context_fn that it sees as the module's function.
+def _full(forward):
+    def checkpointed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed_forward
+
+
+def _selective(forward):
+    def checkpointed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=_selective_context, **kwargs)
+
+    return checkpointed_forward

@@ -309,7 +309,22 @@ def compiled_graphs(chapter: str, tmp_path: Path, hf_home: Path, *args: str, npr
     probe = tmp_path / "compile_counts.jsonl"
     faults = {"PROBE_COMPILE_COUNTS": probe, "PROBE_COMPILE_BACKEND": "eager"}
     run_chapter(chapter, "--compile", *args, "--save-dir", str(tmp_path), nproc=nproc, hf_home=hf_home, faults=faults)
-    counts = [json.loads(line) for line in probe.read_text().splitlines()]
+    counts = compile_counts(probe)
+    assert_compiled_with_no_recompiles(counts, warmup_steps=len(counts))  # the GPU tests' check: it saw compiling
     if chapter >= "04":  # from chapter 04 on, each block compiles whole (fullgraph): never a break
         assert not any(count["graph_breaks"] for count in counts), counts
     return [count["graphs"] for count in counts]
+
+
+def compile_counts(probe: Path) -> list[dict]:
+    """What PROBE_COMPILE_COUNTS recorded after each step: "graphs", the graphs compile has handed its backend
+    (tests/faults/probes.py), "graph_breaks", and "checkpoints", each graph's checkpoint regions."""
+    return [json.loads(line) for line in probe.read_text().splitlines()]
+
+
+def assert_compiled_with_no_recompiles(counts: list[dict], warmup_steps: int) -> None:
+    """Compile traced something at the first step, and nothing after `warmup_steps`: what the GPU tests
+    check, the same way as the CPU tests, so that a probe that cannot see compiling fails on the CPU first."""
+    graphs = [count["graphs"] for count in counts]
+    assert graphs[0] > 0, f"torch.compile traced nothing: graphs after each step {graphs}"
+    assert graphs[-1] == graphs[warmup_steps - 1], f"recompiled after warm-up: graphs after each step {graphs}"

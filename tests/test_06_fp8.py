@@ -456,7 +456,7 @@ def test_selective_checkpointing_keeps_the_fp8_scales_amaxes_and_every_other_mat
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import common.model
-    from common import DEFAULT_MODEL, checkpointing_options, transformer_blocks
+    from common import DEFAULT_MODEL, checkpoint_blocks, transformer_blocks
 
     seen = []  # (op, the shape of a matmul's second operand, whether its output is kept)
     create = common.model.create_selective_checkpoint_contexts
@@ -477,7 +477,7 @@ def test_selective_checkpointing_keeps_the_fp8_scales_amaxes_and_every_other_mat
     chapter = load_chapter()
     args = chapter.get_parser().parse_args(["--fp8-emulate", "--fp8-recipe", recipe, "--fp8-layers", "all"])
     chapter.apply_float8(transformer_blocks(model), args, fp8_all_gather=recipe == "tensorwise")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_options("selective"))
+    checkpoint_blocks(transformer_blocks(model), "selective")
     input_ids = torch.randint(0, config.vocab_size, (1, 32))
     model(input_ids=input_ids, labels=input_ids).loss.backward()
 

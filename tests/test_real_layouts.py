@@ -129,7 +129,7 @@ def build(chapter, config, dp, tp, shard=None, cp=1, checkpointing=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
     from transformers import AutoModelForCausalLM
 
-    from common import checkpointing_options, transformer_blocks
+    from common import checkpoint_blocks, transformer_blocks
 
     if cp > 1:  # chapter 07's FSDP mesh (one group: plain FSDP)
         mesh = init_device_mesh("cpu", (1, dp * cp), mesh_dim_names=("replicate", "shard"))
@@ -142,9 +142,9 @@ def build(chapter, config, dp, tp, shard=None, cp=1, checkpointing=None):
         fsdp_mesh = mesh["dp"]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if checkpointing:  # as the chapters' main switches it on
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_options(checkpointing))
     blocks = transformer_blocks(model)
+    if checkpointing:  # as the chapters' main switches it on
+        checkpoint_blocks(blocks, checkpointing)
     if cp > 1:  # its checks, and SDPA called with no mask
         args = chapter.get_parser().parse_args(
             ["--cp-size", str(cp), "--seq-length", str(config.max_position_embeddings)]

@@ -163,7 +163,7 @@ def test_planner_counts_what_each_checkpointing_mode_keeps(mode):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from common import checkpointing_options
+    from common import checkpoint_blocks, transformer_blocks
     from tools.plan import activation_bytes
 
     config = LlamaConfig(
@@ -171,7 +171,7 @@ def test_planner_counts_what_each_checkpointing_mode_keeps(mode):
         vocab_size=512, max_position_embeddings=256,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_options(mode))
+    checkpoint_blocks(transformer_blocks(model), mode)
     input_ids = torch.randint(0, 512, (2, 128))
     existing = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), input_ids]}
     with live_bytes(existing) as counted:

@@ -51,7 +51,7 @@ def tracked_peak(chapter, config, mesh, argv, cp_mesh=None) -> dict:
     from transformers import AutoModelForCausalLM, masking_utils
     from transformers.utils import import_utils
 
-    from common import PhaseTimers, checkpointing_options, transformer_blocks
+    from common import PhaseTimers, checkpoint_blocks, transformer_blocks
 
     args = chapter.get_parser().parse_args(argv)
     device = torch.device("cpu")
@@ -65,7 +65,7 @@ def tracked_peak(chapter, config, mesh, argv, cp_mesh=None) -> dict:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if args.activation_checkpointing:  # as the chapter's main applies it
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_options(args.activation_checkpointing))
+        checkpoint_blocks(transformer_blocks(model), args.activation_checkpointing)
     step_args = ()
     if cp_mesh is not None:  # as chapter 07's main(): the CPU's kernel on the ring, and SDPA with no mask
         chapter.cpu_ring_attention.register(device)

@@ -30,16 +30,32 @@ def after_ddp_init(callback) -> None:
     _ddp_callbacks.append(callback)
 
 
-def compile_counts(path: str) -> None:
+def compile_counts(path: str, backend: str) -> None:
+    """Counts what torch.compile hands its backend (`backend`: inductor, or eager in the CPU tests), the
+    same way in every torch version: dynamo's own counters moved between versions (counters["frames"]
+    ["total"] stayed 0 with torch 2.13 on the CPU and torch 2.11 on an H100, though compile was on)."""
+    import functools
+
+    import torch
+    from torch._dynamo.backends.registry import lookup_backend
     from torch._dynamo.utils import counters
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    graphs = []  # per graph: the context_fn of each checkpoint region (None: full), in the order traced
+
+    def recording_backend(gm, example_inputs):
+        regions = []
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint:
+                context_fn = getattr(gm, node.args[0].target).meta.get("_checkpoint_context_fn")
+                regions.append(getattr(context_fn, "__name__", None))
+        graphs.append(regions)
+        return lookup_backend(backend)(gm, example_inputs)
+
+    torch.compile = functools.partial(torch.compile, backend=recording_backend)
+
     def after_step(optimizer, args, kwargs):
-        counts = {
-            "frames": counters["frames"]["total"],
-            "graphs": counters["stats"]["unique_graphs"],
-            "graph_breaks": sum(counters["graph_break"].values()),
-        }
+        counts = {"graphs": len(graphs), "graph_breaks": sum(counters["graph_break"].values()), "checkpoints": graphs}
         with open(path, "a") as f:
             f.write(json.dumps(counts) + "\n")
 
@@ -171,9 +187,15 @@ def host_syncs(path: str) -> None:
     HostSyncs().__enter__()  # for the whole run, on the training thread
 
 
+if RANK_0 and "PROBE_COMPILE_COUNTS" in os.environ:
+    compile_counts(os.environ["PROBE_COMPILE_COUNTS"], os.environ.get("PROBE_COMPILE_BACKEND", "inductor"))
+elif "PROBE_COMPILE_BACKEND" in os.environ:
+    import functools
+
+    import torch
+
+    torch.compile = functools.partial(torch.compile, backend=os.environ["PROBE_COMPILE_BACKEND"])
 if RANK_0:
-    if "PROBE_COMPILE_COUNTS" in os.environ:
-        compile_counts(os.environ["PROBE_COMPILE_COUNTS"])
     if "PROBE_STATE_BYTES" in os.environ:
         state_bytes(Path(os.environ["PROBE_STATE_BYTES"]))
     if "PROBE_GRADIENT_REDUCTIONS" in os.environ:
@@ -184,9 +206,3 @@ if "PROBE_SCALED_MM_SHAPES" in os.environ:
     import scaled_mm_shapes
 
     scaled_mm_shapes.install()
-if "PROBE_COMPILE_BACKEND" in os.environ:
-    import functools
-
-    import torch
-
-    torch.compile = functools.partial(torch.compile, backend=os.environ["PROBE_COMPILE_BACKEND"])

@@ -32,9 +32,11 @@ armed, the FAULT_SLOW_* ones excepted (they slow every attempt).
 
 Probes (probes.py, scaled_mm_shapes.py) change nothing the script computes:
 
-PROBE_COMPILE_COUNTS=path       after every optimizer step of rank 0, append to `path` a JSON line
-                                with the frames dynamo has looked at so far, the graphs it has
-                                compiled (a recompile adds a graph) and its graph breaks.
+PROBE_COMPILE_COUNTS=path       after every optimizer step of rank 0, append to `path` a JSON line with the
+                                graphs torch.compile has handed its backend so far (a recompile adds one: counted
+                                by a backend that records each graph, the same in every torch version), dynamo's
+                                graph breaks, and each graph's checkpoint regions (the name of each region's
+                                context_fn: null for full checkpointing, _selective_context for selective).
 PROBE_STATE_BYTES=path          at the first optimizer step of rank 0, write to `path` a JSON object
                                 with the bytes of its weights, gradients (DDP's all-reduce buckets
                                 included) and AdamW's moments: each storage once, a sharded tensor
