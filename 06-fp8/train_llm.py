@@ -322,7 +322,8 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
     with timers("optimizer"):
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
-        # The next step's FP8 weight scales, all at once (one all-reduce for their amaxes).
+        # The next step's FP8 weight scales, all at once (one all-reduce for their amaxes; none to make
+        # without FSDP's FP8 all-gathers).
         precompute_float8_dynamic_scale_for_fsdp(model)
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -366,7 +367,9 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
     if args.fp8_backend == "te":
         te_backend.convert(blocks)
     else:
-        apply_float8(blocks, args, fp8_all_gather)
+        # FSDP's FP8 all-gathers only where FSDP gathers (torchtitan's rule): one shard rank would cast each
+        # weight eagerly at every unshard, outside the compiled block, and skip FSDP's fused copy, for nothing.
+        apply_float8(blocks, args, fp8_all_gather and mesh["shard"].size() > 1)
     # A run "in FP8" with no layer in FP8 would only be slower: refused, and otherwise said what is in FP8.
     in_fp8, summary = torchao_fp8.fp8_summary(model, blocks, torchao_fp8.fp8_left_out(args))
     if not in_fp8:
