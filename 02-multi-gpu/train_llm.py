@@ -119,7 +119,7 @@ def main():
     # during backward, bucket by bucket, while the rest of backward still runs. Not rank 0's buffers at
     # every forward (BatchNorm's statistics): an LLM's never change, and forward stays free of collectives.
     model = DistributedDataParallel(
-        model, device_ids=[local_rank] if device.type == "cuda" else None, broadcast_buffers=False
+        model, device_ids=[local_rank] if device.type == "cuda" else None, **common.no_forward_buffer_sync()
     )
     # Compiling the DDP model (not the module inside) lets the compiler overlap communication.
     if use_compile:

@@ -34,7 +34,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor.experimental import context_parallel
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
-from transformers import AttentionInterface, AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
+from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import common
@@ -383,6 +383,8 @@ def check_cp_model(model, args):
         raise SystemExit(
             f"error: --cp-size {args.cp_size}: ring attention cannot run {name}: {problem}; use --cp-size 1"
         )
+    from transformers import AttentionInterface  # here: it imports torchao, whose import-time lines common quiets
+
     AttentionInterface.register("sdpa_context_parallel", sdpa_attention_forward)
     model.set_attn_implementation("sdpa_context_parallel")
 

@@ -2,6 +2,7 @@
 its errors in torchrun's failure summary, and a stop signal that every rank acts on at the same step."""
 
 import functools
+import inspect
 import itertools
 import logging
 import os
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 from torch.distributed.elastic.multiprocessing.errors import record as torchrun_record
+from torch.nn.parallel import DistributedDataParallel
 
 from common import metrics
 
@@ -118,3 +120,11 @@ class StopSignal:
         host, done = self._pending.pop(0)
         done.synchronize()
         return self.name or ("a signal to another rank" if host.item() else None)
+
+
+def no_forward_buffer_sync() -> dict:
+    """DistributedDataParallel's keyword for no broadcast of rank 0's buffers at every forward: torch 2.13
+    names it forward_sync_buffers=False and warns that broadcast_buffers=False, the name of 2.11 and 2.12
+    (which lack the new one), is deprecated."""
+    new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    return {"forward_sync_buffers" if new_name else "broadcast_buffers": False}

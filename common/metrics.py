@@ -139,9 +139,9 @@ class Stragglers:
 
     def report(self, timings: dict) -> dict:
         mine = [timings.get(f"time/{phase}_ms", 0.0) for phase in self.PHASES]
-        gathered = torch.empty(dist.get_world_size() * len(mine), device=self.device)
-        dist.all_gather_into_tensor(gathered, torch.tensor(mine, device=self.device))
-        data, forward, _, _, compute = zip(*gathered.view(-1, len(mine)).tolist())
+        gathered = [torch.empty(len(mine), device=self.device) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, torch.tensor(mine, device=self.device))  # into a list: the same in every torch
+        data, forward, _, _, compute = zip(*torch.stack(gathered).tolist())
         compute = compute if any(compute) else forward  # no blocks timed: the forward is local (DDP)
         work = [d + c for d, c in zip(data, compute)]
         slowest, median = max(range(len(work)), key=work.__getitem__), statistics.median(work)

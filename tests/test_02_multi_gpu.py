@@ -53,7 +53,7 @@ def test_equal_ranks_name_no_straggler(straight_run):
 
 
 def test_a_slow_rank_is_named_and_no_other(tmp_path, hf_home):
-    """DDP's forward has no collective (broadcast_buffers=False): rank 0 waits for rank 1's slow batch in
+    """DDP's forward has no collective (common.no_forward_buffer_sync): rank 0 waits for rank 1's slow batch in
     backward's all-reduce, and its backward, not rank 1's, takes longer. (A slow forward is test_04's:
     the data and compute times add up the same way under DDP and FSDP.)"""
     assert_names_rank_1(*straggler_run(CHAPTER, tmp_path, hf_home, "FAULT_SLOW_BATCH"), "slow data path")
