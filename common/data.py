@@ -102,13 +102,16 @@ def _pack(data, split, dataset_name, tokenizer, seq_length):
         lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
         tokens = np.fromiter(itertools.chain.from_iterable(docs), dtype=np.int32, count=int(lengths.sum()))
         stream = np.insert(tokens, np.cumsum(lengths), tokenizer.eos_token_id)
-        # The tail shorter than seq_length (at most one row per 1000 documents) is dropped.
+        # The tail shorter than seq_length is dropped: less than one row per batch of documents.
         return {"input_ids": stream[: len(stream) // seq_length * seq_length].reshape(-1, seq_length)}
 
     try:
         data = data.map(
             tokenize_and_pack,
             batched=True,
+            # Documents per batch: 1000, or for long rows enough to make many rows (131,072 tokens: 16,384
+            # documents), or a batch of short documents would pack into no row at all, and its tokens be lost.
+            batch_size=max(1000, seq_length // 8),
             with_indices=True,
             remove_columns=data.column_names,
             features=datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"), length=seq_length)}),

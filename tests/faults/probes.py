@@ -187,6 +187,45 @@ def host_syncs(path: str) -> None:
     HostSyncs().__enter__()  # for the whole run, on the training thread
 
 
+def max_steps(cap: int) -> None:
+    """A chapter's run stops after `cap` steps, as with --max-steps `cap` (or its own, if fewer): its schedule,
+    evaluation and checkpoint at the last step, and a rerun resumes a finished run, as users' runs do."""
+    import argparse
+
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def capped(self, *args, **kwargs):
+        namespace = parse_args(self, *args, **kwargs)
+        if hasattr(namespace, "max_steps"):
+            namespace.max_steps = min(namespace.max_steps or cap, cap)
+        return namespace
+
+    argparse.ArgumentParser.parse_args = capped
+
+
+def count_steps(path: str) -> None:
+    """A line in `path` for every training step that rank 0 finishes: an optimizer step after a backward
+    (DCP's resume runs one on zero gradients to make the optimizer's state: not training)."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    backward = torch.Tensor.backward
+    since_step = {"backward": False}
+
+    def counted_backward(self, *args, **kwargs):
+        since_step["backward"] = True
+        return backward(self, *args, **kwargs)
+
+    def after_step(optimizer, args, kwargs):
+        if since_step["backward"]:
+            with open(path, "a") as f:
+                f.write(f"{os.getpid()}\n")
+        since_step["backward"] = False
+
+    torch.Tensor.backward = counted_backward
+    register_optimizer_step_post_hook(after_step)
+
+
 if RANK_0 and "PROBE_COMPILE_COUNTS" in os.environ:
     compile_counts(os.environ["PROBE_COMPILE_COUNTS"], os.environ.get("PROBE_COMPILE_BACKEND", "inductor"))
 elif "PROBE_COMPILE_BACKEND" in os.environ:
@@ -206,3 +245,14 @@ if "PROBE_SCALED_MM_SHAPES" in os.environ:
     import scaled_mm_shapes
 
     scaled_mm_shapes.install()
+if "PROBE_DRY_RUN" in os.environ or "PROBE_DRY_RUN_BLOCKS" in os.environ:
+    import dry_run
+
+    if "PROBE_DRY_RUN_BLOCKS" in os.environ:
+        dry_run.fewer_blocks(int(os.environ["PROBE_DRY_RUN_BLOCKS"]))
+    if "PROBE_DRY_RUN" in os.environ:
+        dry_run.install(os.environ["PROBE_DRY_RUN"])
+if "PROBE_MAX_STEPS" in os.environ:
+    max_steps(int(os.environ["PROBE_MAX_STEPS"]))
+if RANK_0 and "PROBE_STEPS" in os.environ:
+    count_steps(os.environ["PROBE_STEPS"])

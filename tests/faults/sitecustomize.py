@@ -55,6 +55,15 @@ PROBE_SCALED_MM_SHAPES=1        every emulated FP8 matmul (torchao, --fp8-emulat
 PROBE_COMPILE_BACKEND=eager     torch.compile traces with dynamo as usual, then runs the traced graphs
                                 as they are instead of generating kernels: what was traced, and how
                                 often, is the same, in seconds instead of minutes on a small CPU.
+PROBE_MAX_STEPS=N               a chapter's run ends after N steps, as with --max-steps N (or its own, if
+                                fewer): the docs' commands in the suite's time, never edited (test_docs_*).
+PROBE_STEPS=path                a line in `path` for every training step of rank 0 (an optimizer step after a
+                                backward: DCP's resume steps on zero gradients to make AdamW's state).
+PROBE_DRY_RUN=path              the process plays rank RANK of WORLD_SIZE on the fake process group, with fake
+                                tensors from the first model built: the command's checks, data, model, layout
+                                and first optimizer step, then `path` says what was built and it exits 0
+                                (dry_run.py; the docs' commands for real hardware).
+PROBE_DRY_RUN_BLOCKS=N          every model config loaded has at most N blocks, at its real widths.
 
 Each function is replaced or hooked once, whatever is switched on. The optimizer step is hooked
 through torch's own global step hooks (torch.optim.optimizer.register_optimizer_step_pre_hook and

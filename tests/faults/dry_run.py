@@ -1,0 +1,165 @@
+"""PROBE_DRY_RUN: a chapter's command for real hardware, run on one CPU through everything up to its
+first optimizer step, then stopped: its flags and checks, its data (tokenized, packed, the batch checked
+against the rows), the model built at its real shape, parallelized at its layout, and one step.
+
+This process plays rank RANK of WORLD_SIZE (torchrun's variables, set by the test) on PyTorch's `fake`
+process group: every collective returns at once, and the chapter's meshes, plans and FSDP are built as on
+the cluster. From the first model the chapter builds, every tensor is a fake one (FakeTensorMode): shapes
+and dtypes, no memory and no arithmetic, so that 8B or 70B parameters cost nothing. What needs values stays
+real: the samplers' permutations; `--from-pretrained` builds from the config (a shape has no weights).
+At the end of the first optimizer step it writes PROBE_DRY_RUN's file (what was built) and exits 0.
+"""
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def install(path: str) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.utils.data import DataLoader, RandomSampler
+    from torch.utils.data.distributed import DistributedSampler
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    built = {}
+
+    def init_process_group(*args, timeout=None, **kwargs):
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        options = {"timeout": timeout} if timeout else {}
+        # A store that keeps what is set: rank0_first waits on it (the fake one keeps nothing).
+        dist.distributed_c10d.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size, **options)
+
+    dist.init_process_group = init_process_group
+
+    # Groups of another backend (--async-checkpoints' gloo group) on the fake one too: gloo would wait for peers.
+    new_group = dist.new_group
+    dist.new_group = lambda *args, backend=None, **kwargs: new_group(*args, **kwargs)
+
+    # Python objects go through real tensors, which the fake group does not fill: every rank says what this one
+    # says (the job's wandb id, rank 0's checkpoint, each rank's host).
+    def all_gather_object(object_list, obj, group=None):
+        object_list[:] = [obj] * len(object_list)
+
+    dist.all_gather_object = all_gather_object
+    dist.broadcast_object_list = lambda object_list, src=None, group=None, **kwargs: None
+
+    from_config = AutoModelForCausalLM.from_config.__func__
+
+    def fake_from_config(cls, config, **kwargs):
+        # The first model the chapter builds for real starts fake tensors: from here on, nothing is allocated.
+        if not built and torch.empty(0).device.type != "meta":
+            fake_mode.__enter__()
+        model = from_config(cls, config, **kwargs)
+        built.setdefault("parameters", sum(p.numel() for p in model.parameters()))
+        return model
+
+    def fake_from_pretrained(cls, name, **kwargs):
+        return fake_from_config(cls, AutoConfig.from_pretrained(name), **kwargs)
+
+    AutoModelForCausalLM.from_config = classmethod(fake_from_config)
+    AutoModelForCausalLM.from_pretrained = classmethod(fake_from_pretrained)
+
+    # The model to "the GPU": here the CPU it is on already (swapping a fake tied weight would fail).
+    to = torch.nn.Module.to
+
+    def to_device(self, *args, **kwargs):
+        if built and len(args) == 1 and not kwargs and isinstance(args[0], (str, torch.device)):
+            return self
+        return to(self, *args, **kwargs)
+
+    torch.nn.Module.to = to_device
+
+    # DDP's reducer (C++) reads its parameters' data: a stand-in with its interface, for the layout has
+    # nothing to check (every rank holds the whole model).
+    import contextlib
+
+    from torch.nn import parallel
+
+    class LocalDDP(torch.nn.Module):
+        def __init__(self, module, **kwargs):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+        @contextlib.contextmanager
+        def no_sync(self):
+            yield
+
+    parallel.DistributedDataParallel = LocalDDP
+
+    # A device mesh finds this rank's coordinates with small tensors of ranks: real ones.
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh_init = DeviceMesh.__init__
+
+    def real_mesh_init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            mesh_init(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = real_mesh_init
+
+    # DTensor computes where a rank's shard starts with small index tensors: real numbers too.
+    from torch.distributed.tensor import _utils as dtensor_utils
+
+    offsets = dtensor_utils._compute_local_shape_and_global_offset
+
+    def real_offsets(*args, **kwargs):
+        with unset_fake_temporarily():
+            return offsets(*args, **kwargs)
+
+    dtensor_utils._compute_local_shape_and_global_offset = real_offsets
+
+    # The data is real numbers: the samplers' permutations, the DataLoader's seed, the rows it reads.
+    for iterable in (RandomSampler, DistributedSampler, DataLoader):
+        iterate = iterable.__iter__
+
+        def real_iter(self, iterate=iterate):
+            with unset_fake_temporarily():
+                items = iterate(self)
+            while True:
+                with unset_fake_temporarily():
+                    item = next(items, StopIteration)
+                if item is StopIteration:
+                    return
+                yield item
+
+        iterable.__iter__ = real_iter
+
+    def after_first_step(optimizer, args, kwargs):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        report = {
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "parameters": built.get("parameters"),
+            "local_parameters": sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params),
+            "gradients": sum(p.grad is not None for p in params),
+            "tensors": len(params),
+        }
+        with open(path, "w") as f:
+            json.dump(report, f)
+        os._exit(0)  # the step is what was asked: nothing after it (logs, checkpoints) is written
+
+    register_optimizer_step_post_hook(after_first_step)
+
+
+def fewer_blocks(blocks: int) -> None:
+    """PROBE_DRY_RUN_BLOCKS: every model config loaded has at most `blocks` blocks, at its real widths (the
+    blocks' code and layout are the same: the others cost only time); for dry runs and tools.memory."""
+    from transformers import AutoConfig
+
+    from_pretrained = AutoConfig.from_pretrained.__func__
+
+    def with_fewer_blocks(cls, *args, **kwargs):
+        config = from_pretrained(cls, *args, **kwargs)
+        if getattr(config, "num_hidden_layers", 0) > blocks:
+            config.num_hidden_layers = blocks
+            if getattr(config, "layer_types", None):
+                config.layer_types = config.layer_types[:blocks]
+        return config
+
+    AutoConfig.from_pretrained = classmethod(with_fewer_blocks)

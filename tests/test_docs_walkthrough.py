@@ -1,0 +1,97 @@
+"""A reader's walk through each README: its commands a CPU runs, typed in order into one folder.
+
+Each README (and DIAGNOSING.md) is followed as a new user follows it: its commands for a CPU, read from
+the Markdown (tests/docs_commands.py), run as written with bash in one folder that holds the guide,
+the outputs of one command there for the next (a rerun resumes a checkpoint; a plot reads the runs
+before it). To fit the suite's time, a chapter's run stops after CAP steps through the tests' own hook
+(PROBE_MAX_STEPS: as --max-steps, so a run ends finished, as a reader's would), never by editing the
+command. Each chapter run must exit 0 (DIAGNOSING's broken command: with its one-line error), train at
+least one step (a command that resumes a finished run shows nothing), and print no deprecation or
+'Failed to load' line. Commands for GPUs, nodes or real models are test_docs_real_hardware.py's;
+BENCHMARKS.md's measurement recipes are checked there, and here by their flags.
+"""
+
+import re
+import subprocess
+
+import pytest
+from docs_commands import FAILS_ON_PURPOSE, REPO, commands, launches, markdown_files, on_a_laptop
+from harness import chapter_env, last_lines
+
+CAP = 3  # steps per chapter run
+NOISE = re.compile(r"deprecat|Failed to load|FutureWarning", re.I)
+WALKED = [f for f in markdown_files() if f != "BENCHMARKS.md"]
+
+
+def cpu_commands(file):
+    """The file's commands that a CPU runs as written: chapter runs of the tiny default, and the tools."""
+    for command in commands(file):
+        kind = launches(command)
+        if kind[0] == "tool" or (kind[0] == "chapter" and all(on_a_laptop(run) for run in kind[1])):
+            yield command, kind
+
+
+def walked_by(file) -> str | None:
+    """Another file whose walk begins with all of this one's commands: this walk is that walk's beginning."""
+    mine = [command.text for command, _ in cpu_commands(file)]
+    for other in WALKED if mine else []:
+        theirs = [command.text for command, _ in cpu_commands(other)]
+        if other != file and theirs[: len(mine)] == mine and (len(theirs) > len(mine) or other < file):
+            return other
+    return None
+
+
+@pytest.mark.parametrize("file", WALKED)
+def test_a_reader_runs_the_cpu_commands_in_order(file, tmp_path, hf_home, monkeypatch):
+    from tools import plan
+
+    if walked_by(file):
+        pytest.skip(f"its commands are the first of {walked_by(file)}'s, walked there")
+    if not list(cpu_commands(file)):
+        pytest.skip("no command a CPU runs as written: its commands are for nodes (test_docs_real_hardware.py)")
+    folder = tmp_path / "guide"
+    folder.mkdir()
+    for entry in REPO.iterdir():  # the guide as a clone holds it, without its outputs
+        if entry.name not in (".git", "outputs"):
+            (folder / entry.name).symlink_to(entry)
+    steps = tmp_path / "steps"
+    faults = {"PROBE_MAX_STEPS": CAP, "PROBE_STEPS": steps, "PROBE_DRY_RUN_BLOCKS": 2}  # tools.memory: 2 blocks
+    env = chapter_env(hf_home, faults=faults)
+    ran = 0
+    for command, kind in cpu_commands(file):
+        if kind[:2] == ("tool", "plan"):  # a function of the config alone: in this process, without its imports
+            monkeypatch.chdir(folder)
+            plan.main(kind[2])
+            ran += 1
+            continue
+        steps.unlink(missing_ok=True)
+        proc = subprocess.run(["bash", "-c", command.text], cwd=folder, env=env, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        output = proc.stdout + proc.stderr
+        expected = next((line for text, line in FAILS_ON_PURPOSE.items() if text in command.text), None)
+        if expected:
+            assert proc.returncode != 0 and expected in last_lines(proc.stderr), f"{command}\n{last_lines(output, 20)}"
+            continue
+        assert proc.returncode == 0, f"{command}\n{last_lines(output, 30)}"
+        if kind[0] == "chapter":
+            trained = len(steps.read_text().splitlines()) if steps.exists() else 0
+            assert trained > 0, f"{command}: trained no step (resumed a finished run?)\n{last_lines(output, 10)}"
+            noise = [line for line in output.splitlines() if NOISE.search(line)]
+            assert not noise, f"{command}: printed\n" + "\n".join(noise)
+        ran += 1
+    assert ran
+
+
+def test_benchmark_recipes_take_their_flags():
+    """BENCHMARKS.md's runs of the tiny default, measured on a CPU over minutes: here their flags, as
+    tools.benchmark passes them to the chapter's own parser (its real-hardware runs are dry-run)."""
+    from tools.memory import load
+
+    checked = 0
+    for command in commands("BENCHMARKS.md"):
+        kind = launches(command)
+        for run in kind[1] if kind[0] == "chapter" else []:
+            if on_a_laptop(run):
+                load(run.chapter).get_parser().parse_args(run.args)
+                checked += 1
+    assert checked >= 8
