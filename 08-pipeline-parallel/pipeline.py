@@ -15,6 +15,7 @@ positions) included: the first stage from the token ids, the others from the hid
 """
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 from transformers import AutoModelForCausalLM
@@ -92,7 +93,8 @@ def stages_per_rank(args) -> int:
 
 def stage_ids(args, pp_rank: int) -> tuple[int, list[int]]:
     """The number of stages, and this pp rank's: r, and with looped schedules r + pp, r + 2 pp, ..."""
-    return args.pp_size * stages_per_rank(args), list(range(pp_rank, args.pp_size * stages_per_rank(args), args.pp_size))
+    num_stages = args.pp_size * stages_per_rank(args)
+    return num_stages, list(range(pp_rank, num_stages, args.pp_size))
 
 
 def stage_blocks(num_blocks: int, num_stages: int, stage: int) -> range:
@@ -158,7 +160,7 @@ def _stage_forward(part, first: bool, last: bool):
     return forward
 
 
-def shapes(args, config, dtype, first: bool, last: bool) -> dict:
+def shapes(args, config, dtype, stage: int, num_stages: int) -> dict:
     """The stage's input and output per micro-batch, given to PipelineStage so that it need not find them
     by running a forward and backward (through FSDP) first."""
     rows = args.pp_size * args.batch_size // microbatch_count(args)
@@ -166,4 +168,15 @@ def shapes(args, config, dtype, first: bool, last: bool) -> dict:
         hidden = torch.empty(rows, args.seq_length, config.hidden_size, dtype=dtype, requires_grad=True)
         ids = torch.empty(rows, args.seq_length, dtype=torch.long)
         logits = torch.empty(rows, args.seq_length, config.vocab_size, dtype=dtype, requires_grad=True)
-    return {"input_args": ids if first else hidden, "output_args": logits if last else hidden}
+    return {"input_args": ids if stage == 0 else hidden, "output_args": logits if stage == num_stages - 1 else hidden}
+
+
+def name_every_stage(optimizer_state: dict) -> None:
+    """The optimizer's groups as all ranks hold them together. Each group names its parameters, and a rank's
+    names only its stages': DCP writes one copy of what is not a tensor (rank 0's), and another stage's ranks
+    would find none of theirs in it when they load. Named in full, as chapter 04 names them, a checkpoint
+    loads at any --pp-size, and in chapter 04. (A few kB per rank: the names of its stages' parameters.)"""
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, [group["params"] for group in optimizer_state["param_groups"]])
+    for i, group in enumerate(optimizer_state["param_groups"]):
+        group["params"] = list(dict.fromkeys(name for rank_names in names for name in rank_names[i]))

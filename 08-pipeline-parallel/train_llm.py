@@ -1,6 +1,5 @@
-"""Chapter 08: pipeline parallel: the model's blocks cut into --pp-size stages, each rank running its stage
-on micro-batches in the order a schedule gives, passing activations on and their gradients back. FSDP2
-shards each stage over its ranks, as in 04.
+"""Chapter 08: pipeline parallel: the model's blocks cut into --pp-size stages, each rank running its stage's
+micro-batches in a schedule's order, activations passed on and their gradients back. FSDP2 shards each stage.
 
     torchrun --standalone --nproc-per-node gpu 08-pipeline-parallel/train_llm.py --pp-size 2
 
@@ -31,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_st
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
@@ -39,7 +38,7 @@ from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_w
 import common
 
 # isort: split
-# The chapter's own module, beside this script: which blocks each stage holds, and the refusals.
+# The chapter's own module, beside this script: what each stage holds, and the refusals.
 import pipeline
 
 logger = logging.getLogger(__name__)
@@ -72,16 +71,15 @@ def main():
     # FSDP's mixed precision casts the weights for the matmuls itself: no autocast.
     autocast = functools.partial(torch.autocast, device.type, enabled=False)
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
-    # The stages are the mesh's outer dimension: --pp-size groups of consecutive ranks (nodes), of which only
-    # activations and their gradients cross. FSDP shards each stage over its dp ranks, as over all in chapter 04;
-    # fewer (--shard-size) is HSDP: a replica per group, whose all-gathers and reduce-scatters stay inside it.
+    # The stages are the mesh's outer dimension: --pp-size groups of consecutive ranks (nodes), between which only
+    # activations and their gradients pass. FSDP shards each stage over its dp ranks, all of its group by default
+    # (--shard-size fewer: HSDP, a replica per group, whose all-gathers and reduce-scatters stay inside it).
     dp_size = world_size // args.pp_size
     shard_size = args.shard_size or dp_size
     pipeline.check_layout(args, world_size, shard_size)
-    mesh = init_device_mesh(
-        device.type, (args.pp_size, dp_size // shard_size, shard_size), mesh_dim_names=("pp", "replicate", "shard")
-    )
-    dp_rank = rank % dp_size  # which rows this rank's pipeline trains on
+    mesh_shape, mesh_dim_names = (args.pp_size, dp_size // shard_size, shard_size), ("pp", "replicate", "shard")
+    mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=mesh_dim_names)
+    dp_rank = rank % dp_size  # which rows this rank's pipeline trains on (pp is the outer dimension)
 
     # --- 2. Config and tokenizer ---
     # Everything that can fail on bad input happens before anything is written.
@@ -124,32 +122,27 @@ def main():
     blocks = common.transformer_blocks(model)
     pipeline.check_model(model, blocks, args)
     flops_per_token = common.flops_per_token(model, config, args.seq_length)  # the whole model's, before the cut
-    # This rank's stages: stage r of the pp group (looped schedules: r, r + pp, ...), each a module of its own,
-    # and `model` pruned to theirs: what the optimizer and the checkpoints see, under chapter 04's names.
+    # This rank's stages (pp rank r's: r, and r + pp, ... with looped schedules), each a module of its own, and
+    # `model` cut down to theirs: what the optimizer and the checkpoints see, under chapter 04's names.
     num_stages, stage_ids = pipeline.stage_ids(args, mesh["pp"].get_local_rank())
     parts, blocks = pipeline.split(model, blocks, stage_ids, num_stages)
-    parallelize(parts, blocks, mesh, args, dtype, use_compile)
-    for part in parts:  # each stage is FSDP's root of its modules: allocated through it
+    for part in parts:  # each stage an FSDP root of its own, which its PipelineStage drives, allocated through it
+        parallelize(part, [block for block in blocks if block in part.model.layers], mesh, args, dtype, use_compile)
         part.to_empty(device="cpu" if args.cpu_offload else device)
     send_full_weights(model, full_model, device)
     del full_model
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(f"{num_params:,} parameters in stages {stage_ids} of {num_stages}, sharded over {shard_size} ranks")
-    # Each stage passes its output to the next over the pp group (a rank in the next node), as its shapes say.
+    # Each stage sends its outputs to the next stage's rank over the pp group (in the next node), shapes given.
     stages = [
         PipelineStage(part, i, num_stages, device, group=mesh["pp"].get_group(),
-                      **pipeline.shapes(args, config, dtype, first=i == 0, last=i == num_stages - 1))
+                      **pipeline.shapes(args, config, dtype, i, num_stages))
         for i, part in zip(stage_ids, parts)
     ]  # fmt: skip
-
-    def loss_fn(logits, labels, num_items_in_batch):  # HF's: labels shifted, -100 ignored, summed over num_items
-        return model.loss_function(logits, labels, config.vocab_size, num_items_in_batch=num_items_in_batch)
-
-    # The schedule cuts each batch into micro-batches and runs this rank's forwards and backwards in its order.
-    schedule_class = get_schedule_class(args.pp_schedule)
-    schedule = schedule_class(
-        stages if issubclass(schedule_class, PipelineScheduleMulti) else stages[0],
-        n_microbatches=pipeline.microbatch_count(args), loss_fn=loss_fn, scale_grads=False,
+    # The schedule cuts each batch into micro-batches, and runs this rank's forwards and backwards in its order.
+    schedule = get_schedule_class(args.pp_schedule)(
+        stages if len(stages) > 1 else stages[0], n_microbatches=pipeline.microbatch_count(args),
+        loss_fn=functools.partial(model.loss_function, vocab_size=config.vocab_size), scale_grads=False,
     )  # fmt: skip
 
     # --- 5. Optimizer and LR schedule ---
@@ -206,9 +199,8 @@ def main():
         model.train()
         stopping = None
         while state["global_step"] < total_steps and not stopping:
-            # Each pipeline (the ranks of a dp rank, one per stage) takes every dp_size-th row of the same
-            # permutation, the --batch-size rows of each of its --pp-size ranks at once: the first stage
-            # needs their tokens, the last their labels.
+            # Each pipeline (a dp rank's ranks, one per stage) takes every dp_size-th row of the same permutation:
+            # --batch-size rows for each of its ranks. The first stage needs their tokens, the last their labels.
             sampler = DistributedSampler(train_data, dp_size, dp_rank, shuffle=True, seed=args.seed, drop_last=True)
             sampler.set_epoch(state["epoch"])
             # On resume, the batches this epoch already trained on are skipped by index, never loaded.
@@ -221,7 +213,7 @@ def main():
 
             for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
                 loss, grad_norm = train_step(
-                    model, schedule, batches, optimizer, lr_scheduler, args, timers, autocast, device, mesh
+                    model, schedule, batches, optimizer, lr_scheduler, args, timers, device, mesh["pp"].get_group()
                 )
 
                 state["global_step"] += 1
@@ -259,7 +251,7 @@ def main():
                     running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
                 if val_data is not None and not stopping and due(args.eval_every):
-                    val_loss = evaluate(model, schedule, val_data, args, device, autocast, dp_rank)
+                    val_loss = evaluate(model, schedule, val_data, args, device, autocast)
                     common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
@@ -284,7 +276,7 @@ def main():
     if async_saves:
         async_saves.close()  # a stop, and the end, wait for the last checkpoint to be written and published
     if args.export_hf and not stopping:
-        export_hf(config, tokenizer, args.export_hf, export_dtype, common.latest_checkpoint(exp_dir))
+        export_hf(common.latest_checkpoint(exp_dir), config, tokenizer, args.export_hf, export_dtype)
     if stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
         logger.info(f"Stopped by {stopping} at step {state['global_step']}: rerun the same command to resume")
     else:
@@ -293,37 +285,33 @@ def main():
     dist.destroy_process_group()
 
 
-def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, autocast, device, mesh):
-    """One optimizer step on --grad-accum-steps pipeline steps: its loss and gradient norm, left on the device."""
-    with timers("data"):
-        batches = [{k: v.to(device, non_blocking=True) for k, v in next(batches).items()} for _ in range(args.grad_accum_steps)]
-        # HF's loss is the mean over the global batch's predicted tokens (labels shifted, -100 ignored): each
-        # micro-batch's is the sum of its tokens' losses over their number in the step's global batch, divided
-        # by the dp ranks, whose gradients FSDP averages. Each pipeline's rows are counted by its pp ranks.
-        num_tokens = sum((batch["labels"][:, 1:] != -100).sum() for batch in batches)
-        dist.all_reduce(num_tokens, op=dist.ReduceOp.SUM)
-        num_items = num_tokens / dist.get_world_size()  # the global count / pp / dp
-    step_loss = torch.zeros((), device=device)  # the last stage's losses; 0 on the others
-    for batch in batches:
-        with timers("pipeline"), autocast():
-            # Each rank runs its stages on the micro-batches, in the schedule's order: the first stage takes
-            # the tokens, the last the labels, the others ignore them. FSDP keeps each stage's gradients whole
-            # until the schedule's last backward, then reduce-scatters them (PipelineStage sets its flags).
-            losses = []
-            schedule.step(batch["input_ids"], target=batch["labels"], losses=losses,
-                          loss_kwargs={"num_items_in_batch": num_items})  # fmt: skip
+def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, device, pp_group):
+    """One optimizer step on --grad-accum-steps micro-batches: its loss and gradient norm, left on the device."""
+    step_loss = torch.zeros((), device=device)  # the last stage's losses; 0 on the other stages
+    for micro_step in range(args.grad_accum_steps):
+        with timers("data"):
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            # HF's loss: the mean over all pipelines' predicted tokens (labels shifted, -100 ignored), however the
+            # rows are cut into micro-batches. Each one's is its sum over their count (a row counted by each pp rank).
+            num_items = (batch["labels"][:, 1:] != -100).sum() * args.grad_accum_steps
+            dist.all_reduce(num_items, op=dist.ReduceOp.SUM)
+
+        with timers("pipeline"):
+            # This rank's stages' forwards and backwards in the schedule's order: the first stage reads the tokens,
+            # the last the labels. FSDP reduce-scatters a stage's gradients after its last micro-batch's backward.
+            losses, loss_kwargs = [], {"num_items_in_batch": num_items / dist.get_world_size()}  # per dp rank
+            schedule.step(batch["input_ids"], target=batch["labels"], losses=losses, loss_kwargs=loss_kwargs)
         step_loss += sum(loss.detach() for loss in losses)
-    # The job's loss: the sum of the last stage's shares, over its dp ranks (one number, no wait for the GPU).
+    # The last stage's ranks trained on other rows: the job's loss is the sum of their shares, over the dp ranks.
     dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
-    step_loss /= dist.get_world_size() // args.pp_size  # the dp ranks
+    step_loss /= dist.get_world_size() // args.pp_size
 
     with timers("optimizer"):
-        # The norm clipping uses is over every parameter, and each rank holds its stages' only: the squares of
-        # the stages' norms (each over its dp shards) summed over the pp group. A stage's own norm would clip
-        # each stage by another factor: gradients that no longer point where the model's does.
+        # The norm is over all stages' gradients: the squares of each stage's norm (over its shards) summed over the
+        # pp group. Each stage clipped by its own norm would no longer step where the model's gradient points.
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads).full_tensor() ** 2
-        dist.all_reduce(grad_norm, op=dist.ReduceOp.SUM, group=mesh["pp"].get_group())
+        dist.all_reduce(grad_norm, op=dist.ReduceOp.SUM, group=pp_group)
         grad_norm = grad_norm.sqrt()
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.max_grad_norm, grad_norm)
         optimizer.step()
@@ -343,11 +331,10 @@ def build_model(args, config):
 
 
 def send_full_weights(model, full_model, device):
-    """Rank 0's full weights (`full_model`; None elsewhere), sent tensor by tensor into every rank's shards
-    (each rank keeps its stages'). Every stage holds the rotary embeddings' buffers: the same on every rank."""
+    """Rank 0's full weights (`full_model`; None elsewhere), sent tensor by tensor into every rank's shards."""
     rank = dist.get_rank()
     full_state = full_model.state_dict() if rank == 0 else {}
-    # Rank 0's full weights hold every stage's, its model its own stages' only: not strict, but nothing missing.
+    # Not strict: rank 0's full weights hold every stage's, and each rank's model its own stages' only.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     assert not set_model_state_dict(model, full_state, options=options).missing_keys
     # Buffers outside the state dict (rotary frequencies) are sent too, to the device (to_empty: maybe the CPU).
@@ -358,8 +345,8 @@ def send_full_weights(model, full_model, device):
         setattr(model.get_submodule(module_name), buffer_name, value)
 
 
-def parallelize(parts, blocks, mesh, args, dtype, use_compile):
-    """What the chapter does to each stage, in the order it must be done (torchtitan's parallelize_llama
+def parallelize(model, blocks, mesh, args, dtype, use_compile):
+    """What the chapter does to the model, in the order it must be done (torchtitan's parallelize_llama
     is the model; main() has switched on activation checkpointing): compile, then FSDP."""
     if use_compile:
         # Each block on its own, FSDP's hooks between blocks outside the compiled code; and whole (fullgraph): a
@@ -370,24 +357,22 @@ def parallelize(parts, blocks, mesh, args, dtype, use_compile):
     offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
     # A 2-D mesh is HSDP to fully_shard; with one group, its 1-D shard dimension is plain FSDP.
     fsdp_mesh = mesh["replicate", "shard"] if mesh["replicate"].size() > 1 else mesh["shard"]
-    for part in parts:  # each stage an FSDP root of its own, which its PipelineStage drives
-        apply_fsdp(part, [b for b in blocks if b in part.model.layers], fsdp_mesh, mp_policy, offload_policy, args)
+    apply_fsdp(model, blocks, fsdp_mesh, mp_policy, offload_policy, args)
 
 
 def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy, args):
     """Shards the input embeddings, each block and the output head as units, then the root (the rest). A unit's
     weights are all-gathered just before its forward and backward, its gradients reduce-scattered when ready, while
     the next unit computes. The root's stay gathered all step: the largest, embeddings and head, are units (untied).
-    With --pp-size > 1, a stage's blocks stay gathered from their first micro-batch's forward to the schedule's
-    last backward (torchtitan's choice): gathered again for each micro-batch, they would cost --pp-microbatches
-    times the bytes. Only the first stage holds the embeddings, only the last the head."""
+    In a pipeline, the blocks stay gathered from the first micro-batch's forward to the last's backward (torchtitan
+    does so): gathered for each, they would cost --pp-microbatches times the bytes."""
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     tied = model.config.tie_word_embeddings
-    if not tied and model.get_input_embeddings() is not None:
+    if not tied and model.get_input_embeddings() is not None:  # the first stage's
         shard(model.get_input_embeddings())
     for block in blocks:
         shard(block, reshard_after_forward=args.pp_size == 1)
-    if not tied and model.get_output_embeddings() is not None:
+    if not tied and model.get_output_embeddings() is not None:  # the last stage's
         # Backward needs the head right after forward: kept gathered in between, not gathered twice.
         shard(model.get_output_embeddings(), reshard_after_forward=False)
     shard(model)
@@ -428,10 +413,9 @@ def init_wandb(args, exp_dir, run_id):
     )
 
 
-def export_hf(config, tokenizer, folder, dtype, checkpoint):
-    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer. No rank
-    holds all the stages: rank 0 reads them from the last checkpoint (the end's), which holds every stage's."""
-    if dist.get_rank() != 0:
+def export_hf(checkpoint, config, tokenizer, folder, dtype):
+    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer."""
+    if dist.get_rank() != 0:  # no rank holds every stage: rank 0 reads them from the end's checkpoint
         return
     export_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     dcp.load({"model": export_model.state_dict()}, checkpoint_id=checkpoint, no_dist=True)
@@ -441,27 +425,24 @@ def export_hf(config, tokenizer, folder, dtype, checkpoint):
     logger.info(f"Exported the model to {folder} in {dtype}")
 
 
-def evaluate(model, schedule, val_data, args, device, autocast, dp_rank) -> float:
+def evaluate(model, schedule, val_data, args, device, autocast) -> float:
     """The mean loss over the first --eval-batches global batches of the validation rows, without
     gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
     global_batch = dist.get_world_size() * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
-    # Each pipeline takes every dp_size-th row, and the sum of its batches' mean losses (the last stage's) is
-    # all-reduced: each batch's mean is over its predicted tokens, the sum of its micro-batches'.
+    # Each pipeline takes every dp_size-th row, and the sum of its micro-batches' mean losses is all-reduced.
     dp_size, batch_size = dist.get_world_size() // args.pp_size, args.pp_size * args.batch_size
-    sampler = DistributedSampler(rows, dp_size, dp_rank, shuffle=False)
+    sampler = DistributedSampler(rows, dp_size, dist.get_rank() % dp_size, shuffle=False)
     total = torch.zeros((), device=device)
     model.eval()
     with torch.no_grad(), autocast():
         for batch in DataLoader(rows, sampler=sampler, batch_size=batch_size):
-            losses, labels = [], batch["labels"].to(device)
-            num_items = (labels[:, 1:] != -100).sum()
-            schedule.eval(batch["input_ids"].to(device), target=labels, losses=losses,
-                          loss_kwargs={"num_items_in_batch": num_items})  # fmt: skip
-            total += sum(loss.float() for loss in losses)
+            losses = []  # the last stage's
+            schedule.eval(batch["input_ids"].to(device), target=batch["labels"].to(device), losses=losses)
+            total += sum(losses)
     model.train()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total.item() / (len(rows) // batch_size)
+    return total.item() / (len(rows) // batch_size * pipeline.microbatch_count(args))
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):
@@ -478,6 +459,7 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
         dist.barrier()
         # Every rank writes its own shards, and DCP records where each sits in the full tensor: resharded on load.
         model_state, optimizer_state = get_state_dict(model, optimizer)
+        pipeline.name_every_stage(optimizer_state)  # as chapter 04's: a checkpoint that loads at any --pp-size
         shards = {"model": model_state, "optimizer": optimizer_state}
         if async_saves:
             async_saves.start(shards, tmp_dir, final_dir, state["global_step"], keep)
@@ -514,7 +496,7 @@ def get_parser():
     add("--shard-size", type=common.positive_int, help="ranks that shard the model (default: all; fewer: HSDP)")
     add("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
     add("--async-checkpoints", action="store_true", help="write checkpoints beside training")
-    add("--pp-size", type=common.positive_int, default=1, help="pipeline stages (ranks) the model's blocks are cut into")
+    add("--pp-size", type=common.positive_int, default=1, help="ranks the model's blocks are cut over")
     add("--pp-schedule", choices=pipeline.SCHEDULES, default="1F1B", help="the order of the micro-batches' passes")
     add("--pp-microbatches", type=common.positive_int, help="micro-batches per pipeline step (default: one per row)")
     return parser
