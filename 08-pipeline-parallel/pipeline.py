@@ -74,7 +74,7 @@ def check_model(model, blocks, args) -> None:
             f"error: --pp-size {args.pp_size}: the stages are cut from Llama-style models ({', '.join(FAMILIES)}; "
             f"see README); {name} ({config.model_type}) is not one of them"
         )
-    stages = args.pp_size * stages_per_rank(args)
+    stages = args.pp_size * stages_per_rank(args.pp_schedule)
     if len(blocks) < stages:
         raise SystemExit(
             f"error: --pp-size {args.pp_size} with --pp-schedule {args.pp_schedule} makes {stages} stages, more "
@@ -87,13 +87,13 @@ def check_model(model, blocks, args) -> None:
         )
 
 
-def stages_per_rank(args) -> int:
-    return STAGES_PER_RANK if issubclass(get_schedule_class(args.pp_schedule), PipelineScheduleMulti) else 1
+def stages_per_rank(schedule: str) -> int:
+    return STAGES_PER_RANK if issubclass(get_schedule_class(schedule), PipelineScheduleMulti) else 1
 
 
 def stage_ids(args, pp_rank: int) -> tuple[int, list[int]]:
     """The number of stages, and this pp rank's: r, and with looped schedules r + pp, r + 2 pp, ..."""
-    num_stages = args.pp_size * stages_per_rank(args)
+    num_stages = args.pp_size * stages_per_rank(args.pp_schedule)
     return num_stages, list(range(pp_rank, num_stages, args.pp_size))
 
 

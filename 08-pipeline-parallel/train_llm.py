@@ -300,7 +300,8 @@ def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, 
             # This rank's stages' forwards and backwards in the schedule's order: the first stage reads the tokens,
             # the last the labels. FSDP reduce-scatters a stage's gradients after its last micro-batch's backward.
             losses, loss_kwargs = [], {"num_items_in_batch": num_items / dist.get_world_size()}  # per dp rank
-            schedule.step(batch["input_ids"], target=batch["labels"], losses=losses, loss_kwargs=loss_kwargs)
+            schedule.step(batch["input_ids"], target=batch["labels"], losses=losses, loss_kwargs=loss_kwargs,
+                          return_outputs=False)  # no logits kept to the step's end: each freed after its backward
         step_loss += sum(loss.detach() for loss in losses)
     # The last stage's ranks trained on other rows: the job's loss is the sum of their shares, over the dp ranks.
     dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
@@ -364,12 +365,12 @@ def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy, args):
     """Shards the input embeddings, each block and the output head as units, then the root (the rest). A unit's
     weights are all-gathered just before its forward and backward, its gradients reduce-scattered when ready, while
     the next unit computes. The root's stay gathered all step: the largest, embeddings and head, are units (untied).
-    In a pipeline, the blocks stay gathered from the first micro-batch's forward to the last's backward (torchtitan
+    In a pipeline, the units stay gathered from the first micro-batch's forward to the last's backward (torchtitan
     does so): gathered for each, they would cost --pp-microbatches times the bytes."""
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     tied = model.config.tie_word_embeddings
     if not tied and model.get_input_embeddings() is not None:  # the first stage's
-        shard(model.get_input_embeddings())
+        shard(model.get_input_embeddings(), reshard_after_forward=args.pp_size == 1)
     for block in blocks:
         shard(block, reshard_after_forward=args.pp_size == 1)
     if not tied and model.get_output_embeddings() is not None:  # the last stage's
@@ -438,7 +439,8 @@ def evaluate(model, schedule, val_data, args, device, autocast) -> float:
     with torch.no_grad(), autocast():
         for batch in DataLoader(rows, sampler=sampler, batch_size=batch_size):
             losses = []  # the last stage's
-            schedule.eval(batch["input_ids"].to(device), target=batch["labels"].to(device), losses=losses)
+            schedule.eval(batch["input_ids"].to(device), target=batch["labels"].to(device), losses=losses,
+                          return_outputs=False)  # fmt: skip
             total += sum(losses)
     model.train()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
