@@ -179,6 +179,43 @@ def bubble(layout: Layout, microbatches: int) -> float:
     return (layout.pp - 1) / (v * microbatches + layout.pp - 1)
 
 
+def timeline(schedule: str, pp: int, microbatches: int) -> list[str]:
+    """One line per pp rank, one character per time unit: each micro-batch's forward through the rank's
+    stage (its number, 1 unit), its backward (letters, a for micro-batch 0: 2 units, twice the forward's
+    matmuls), idle (.). The orders are torch's Schedule1F1B's and ScheduleGPipe's: GPipe runs every forward,
+    then every backward; 1F1B, pp - rank forwards, then a backward for each forward. A forward waits for the
+    previous stage's, a backward for the next stage's."""
+    if schedule == "GPipe":
+        orders = [[("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)] for _ in range(pp)]
+    else:
+        orders = []
+        for rank in range(pp):
+            warmup = min(microbatches, pp - rank)
+            order = [("F", i) for i in range(warmup)]
+            for i in range(microbatches - warmup):
+                order += [("B", i), ("F", warmup + i)]
+            orders.append(order + [("B", i) for i in range(microbatches - warmup, microbatches)])
+    # When each (kind, rank, micro-batch) ends; when each rank is free again; what each has done, unit by unit.
+    done, free, lines = {}, [0] * pp, [[] for _ in range(pp)]
+    while any(orders):
+        for rank in range(pp):
+            if not orders[rank]:
+                continue
+            kind, i = orders[rank][0]
+            if kind == "F":
+                ready = [("F", rank - 1, i)] if rank > 0 else []
+            else:
+                ready = [("F", rank, i)] + ([("B", rank + 1, i)] if rank < pp - 1 else [])
+            if all(key in done for key in ready):
+                start = max([free[rank], *(done[key] for key in ready)])
+                mark, duration = (str(i % 10), 1) if kind == "F" else ("abcdefghijklmnopqrstuvwxyz"[i % 26], 2)
+                lines[rank] += ["."] * (start - len(lines[rank])) + [mark] * duration
+                done[(kind, rank, i)] = free[rank] = start + duration
+                orders[rank].pop(0)
+    end = max(map(len, lines))
+    return ["".join(line) + "." * (end - len(line)) for line in lines]
+
+
 def stage_params(m: dict, layout: Layout, rank: int) -> tuple[float, int]:
     """The parameters of a pp rank's stages (chapter 08's cut: pipeline.stage_blocks), and its blocks."""
     v = pipeline.stages_per_rank(layout.schedule)
@@ -500,6 +537,11 @@ def print_pipeline(result: dict, args, kind: str, ac: str) -> None:
     print(f"  {'total':<13} {result['first stage total'] / GIB:8.2f} GiB {last['total'] / GIB:8.2f} GiB")
     print(f"  stage forwards held at once (activations): {result['in_flight']} on the first stage's GPUs, "
           f"{last['in_flight']} on the last's; bubble: {result['bubble']:.1%} of each step idle")  # fmt: skip
+    if args.pp_schedule in ("1F1B", "GPipe") and 3 * (m + args.pp_size) < 100:
+        print(f"  {args.pp_schedule}'s order over time (forward: the micro-batch's digit, backward: its letter, "
+              f"twice as long; idle: .):")  # fmt: skip
+        for rank, line in enumerate(timeline(args.pp_schedule, args.pp_size, m)):
+            print(f"    pp rank {rank}: {line}")
     network, nvlink = result["network_per_nic"], result["nvlink_dp"]
     print(
         f"  sent per step: each stage {result['sent_pp_each_way'] / GIB:.3f} GiB to the next and as much back "
