@@ -147,9 +147,9 @@ def test_checkpoints_resume_across_pp_layouts_and_after_a_kill(tmp_path, hf_home
     assert restarted and "step-00000009 at step 9" in first, proc.stderr[-3000:]
     assert "step-00000010 at step 10" in again, again[-3000:]
     resumed = tmp_path / "pp" / CHAPTER
-    assert len(losses(resumed)) == STEPS and max(abs(a - b) for a, b in zip(losses(resumed), reference)) <= 1e-5
-    weights, ref_weights = final_weights(resumed, tmp_path), final_weights(fsdp_run, tmp_path)
-    assert max((weights[name] - ref_weights[name]).abs().max().item() for name in ref_weights) <= 1e-5
+    worst = differences(resumed, fsdp_run, tmp_path)
+    print(f"\nlargest differences to chapter 04 after the resumes and the kill: {worst}")
+    assert len(losses(resumed)) == STEPS and max(worst.values()) <= 1e-5, worst
 
 
 def test_a_bad_pp_size_is_refused_in_one_line_under_torchrun(tmp_path, hf_home):

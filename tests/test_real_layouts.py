@@ -544,6 +544,8 @@ def test_pipeline_stages_send_what_the_planner_counts(schedule, fake_world, monk
     planned = plan(m, layout, 2, 16, compute_bytes=4, fp8=False)
     assert planned["microbatches"] == 4 and planned["sent_pp"] == sends.sent[("send", 8)]
     sent_dp = sum(collectives.sent.values())
+    print(f"\n{schedule}: sent over pp {sends.sent[('send', 8)]:,} B (planned {planned['sent_pp']:,.0f}), over dp "
+          f"{sent_dp:,.0f} B (planned {planned['sent_dp']:,.0f}, {sent_dp / planned['sent_dp'] - 1:+.2%})")  # fmt: skip
     assert sent_dp == pytest.approx(planned["sent_dp"], rel=0.01), (sent_dp, planned["sent_dp"])
     # Each unit gathered once and reduced once: 2 stages' blocks, the embeddings, the roots (rank 0's stage(s)).
     gathers = {key: calls for key, calls in collectives.calls.items() if key[0] == "all_gather"}
