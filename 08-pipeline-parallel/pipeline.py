@@ -114,8 +114,8 @@ class PassThrough(nn.Module):
 def split(model, blocks, stages: list[int], num_stages: int) -> tuple[list[nn.Module], list[nn.Module]]:
     """`model` pruned to the modules of this rank's `stages` (the others' become None or PassThrough), and
     a module per stage holding its share of them; and this rank's blocks, in order."""
-    config, layers = model.config, model.model.layers
-    if list(layers) != blocks:
+    config, layers = model.config, model.model.layers  # the blocks, or what wraps each (checkpointing)
+    if len(layers) != len(blocks):
         raise SystemExit(f"error: --pp-size: {type(model).__name__}'s blocks are not its model.layers")
     owned = {stage: stage_blocks(len(blocks), num_stages, stage) for stage in stages}
     parts = []
@@ -139,7 +139,7 @@ def split(model, blocks, stages: list[int], num_stages: int) -> tuple[list[nn.Mo
         model.model.embed_tokens = None
     if num_stages - 1 not in owned:
         model.model.norm, model.lm_head = None, None
-    return parts, [layers[i] for i in sorted(mine)]
+    return parts, [blocks[i] for i in sorted(mine)]
 
 
 def _is_in(tensor, model) -> bool:

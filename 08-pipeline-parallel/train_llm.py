@@ -127,7 +127,7 @@ def main():
     num_stages, stage_ids = pipeline.stage_ids(args, mesh["pp"].get_local_rank())
     parts, blocks = pipeline.split(model, blocks, stage_ids, num_stages)
     for part in parts:  # each stage an FSDP root of its own, which its PipelineStage drives, allocated through it
-        parallelize(part, [block for block in blocks if block in part.model.layers], mesh, args, dtype, use_compile)
+        parallelize(part, [block for block in blocks if block in set(part.modules())], mesh, args, dtype, use_compile)
         part.to_empty(device="cpu" if args.cpu_offload else device)
     send_full_weights(model, full_model, device)
     del full_model

@@ -483,7 +483,7 @@ def pipeline_rank(chapter, config, argv, rank_of_stage, pp_rank):
     num_stages, stage_ids = chapter.pipeline.stage_ids(args, pp_rank)
     parts, blocks = chapter.pipeline.split(model, blocks, stage_ids, num_stages)
     for part in parts:
-        chapter.parallelize(part, [b for b in blocks if b in part.model.layers], mesh, args, torch.float32, False)
+        chapter.parallelize(part, [b for b in blocks if b in set(part.modules())], mesh, args, torch.float32, False)
         part.to_empty(device="cpu")
     with torch.no_grad():
         for param in model.parameters():
