@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM
 
 # The schedules the chapter runs: one stage per rank (GPipe: all forwards, then all backwards; 1F1B: a
 # backward as soon as one can run), or STAGES_PER_RANK stages per rank, looped over the ranks
-# (Interleaved1F1B, and LoopedBFS: each stage's micro-batches in turn). The zero-bubble schedules split
-# each backward in two, outside autograd's hooks that FSDP relies on: not here.
+# (Interleaved1F1B, and LoopedBFS: each stage's micro-batches in turn). Not the zero-bubble schedules, which
+# split each backward into its input's and its weights' gradients: not tested here with FSDP.
 SCHEDULES = ["1F1B", "Interleaved1F1B", "GPipe", "LoopedBFS"]
 STAGES_PER_RANK = 2  # with the looped schedules: torchtitan's default (more: a smaller bubble, more sends)
 
