@@ -30,12 +30,16 @@ GPU_ARGS = ["--max-steps", str(STEPS), "--log-freq", "1", "--ckpt-freq", str(STE
 # Chapter 05 with its default --tp-size 1 (one GPU is enough); chapter 06 with real FP8 matmuls, in
 # every layer (the tiny default's are far too small for --fp8-layers fast, FP8 hardware's default).
 CHAPTERS = ["01-single-gpu", "02-multi-gpu", "03-multi-node", "04-fsdp", "05-tensor-parallel", "06-fp8",
-            "07-context-parallel"]  # fmt: skip
+            "07-context-parallel", "08-pipeline-parallel"]  # fmt: skip
 # Chapter 07 on the ring of the CUDA attention kernels wherever the GPUs pair up (one GPU: chapter 04's step).
 CP_SIZE = "2" if torch.cuda.device_count() % 2 == 0 else "1"
-CHAPTER_ARGS = {"06-fp8": ["--fp8-layers", "all"], "07-context-parallel": ["--cp-size", CP_SIZE]}
+# Chapter 08 with 2 stages (on 8 GPUs: 4 dp ranks each), or a stage per GPU on an odd count.
+PP_SIZE = "2" if torch.cuda.device_count() % 2 == 0 else str(torch.cuda.device_count())
+CHAPTER_ARGS = {"06-fp8": ["--fp8-layers", "all"], "07-context-parallel": ["--cp-size", CP_SIZE],
+                "08-pipeline-parallel": ["--pp-size", PP_SIZE]}  # fmt: skip
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 TWO_GPUS = torch.cuda.device_count() >= 2
+NO_PIPELINE = "pipeline parallel needs 2 GPUs or more: its stages' sends and receives go between GPUs"
 TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
 
 
@@ -78,7 +82,9 @@ def reference_runs(tmp_path_factory, hf_home):
 def grouped(chapters):
     """Each chapter's tests in one xdist group, so that its reference run is made once."""
     no_fp8 = pytest.mark.skipif(not FP8_GPU, reason="chapter 06 needs FP8 matmuls (compute capability 8.9+)")
-    return [pytest.param(c, marks=[pytest.mark.xdist_group(c)] + ([no_fp8] if c == "06-fp8" else [])) for c in chapters]
+    no_pipeline = pytest.mark.skipif(not TWO_GPUS, reason=NO_PIPELINE)
+    skips = {"06-fp8": [no_fp8], "08-pipeline-parallel": [no_pipeline]}
+    return [pytest.param(c, marks=[pytest.mark.xdist_group(c), *skips.get(c, [])]) for c in chapters]
 
 
 @pytest.mark.parametrize("chapter", grouped(CHAPTERS))
@@ -99,7 +105,7 @@ def test_chapter_trains_on_gpu_with_compile_and_no_recompiles(chapter, reference
     assert_compiled_with_no_recompiles(counts, WARMUP_STEPS)
 
 
-@pytest.mark.parametrize("chapter", grouped(["01-single-gpu", "04-fsdp"]))
+@pytest.mark.parametrize("chapter", grouped(["01-single-gpu", "04-fsdp", "08-pipeline-parallel"]))
 def test_resume_after_kill_on_gpu(chapter, reference_runs, tmp_path, hf_home):
     reference, _ = reference_runs(chapter)
     killed, exp_dir, _ = gpu_run(chapter, tmp_path, hf_home, faults={"FAULT_KILL_AFTER_CHECKPOINT": 1}, check=False)
@@ -177,6 +183,22 @@ def test_tensor_parallel_on_gpus(chapter, args, tmp_path, hf_home):
     assert_compiled_with_no_recompiles(compile_counts(probe), WARMUP_STEPS)
 
 
+@pytest.mark.skipif(not TWO_GPUS, reason=NO_PIPELINE)
+@pytest.mark.skipif(PP_SIZE != "2", reason="the tiny default's 4 blocks make 2 stages per GPU at pp 2 only")
+@pytest.mark.xdist_group("08-pipeline-parallel")
+def test_interleaved_pipeline_on_gpus(tmp_path, hf_home, reference_runs):
+    """--pp-schedule Interleaved1F1B (2 stages per GPU, 4 blocks: one each) on NCCL, compiled, bf16: trains
+    as 1F1B does (the group's reference run), within bf16's noise, and compiles nothing after warm-up."""
+    _, exp_dir, probe = gpu_run("08-pipeline-parallel", tmp_path, hf_home, "--pp-schedule", "Interleaved1F1B")
+    one_f_one_b, _ = reference_runs("08-pipeline-parallel")
+    metrics = read_metrics(exp_dir)
+    print(f"\n08 interleaved: loss {metrics[1]['loss']:.3f} -> {metrics[STEPS]['loss']:.3f}, "
+          f"{metrics[STEPS]['tokens_per_s']:,.0f} tokens/s")  # fmt: skip
+    assert abs(metrics[STEPS]["loss"] - losses(one_f_one_b)[-1]) < 0.05
+    counts = compile_counts(probe)
+    assert counts[0] > 0 and counts[-1] == counts[WARMUP_STEPS - 1], f"frames per step {counts}"
+
+
 @pytest.mark.skipif(not FP8_GPU, reason="needs FP8 matmuls (compute capability 8.9+)")
 @pytest.mark.xdist_group("06-rowwise")
 def test_rowwise_fp8_on_gpu(tmp_path, hf_home):
@@ -193,6 +215,8 @@ def test_throughput_alone(chapter, tmp_path, hf_home):
     """Each chapter with the GPUs to itself: the tokens/s and MFU printed here are not contended."""
     if chapter == "06-fp8" and not FP8_GPU:
         pytest.skip("chapter 06 needs FP8 matmuls (compute capability 8.9+)")
+    if chapter == "08-pipeline-parallel" and not TWO_GPUS:
+        pytest.skip(NO_PIPELINE)
     _, exp_dir, _ = gpu_run(chapter, tmp_path, hf_home)
     metrics = read_metrics(exp_dir)[STEPS]
     print(f"\n{chapter} alone: {metrics['tokens_per_s']:,.0f} tokens/s, MFU {metrics['mfu']:.2%}, "

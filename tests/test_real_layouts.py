@@ -13,6 +13,7 @@ chapter 07 (context parallel), also the bytes its ring attention sends.
 """
 
 import collections
+import functools
 
 import pytest
 import torch
@@ -54,7 +55,9 @@ class Collectives(torch.utils._python_dispatch.TorchDispatchMode):
         if func is torch.ops.aten.embedding_dense_backward.default:
             self.embedding_gradient = func(*args, **(kwargs or {}))
             return self.embedding_gradient
-        if func.namespace in ("_c10d_functional", "c10d") and name != "wait_tensor" and name != "_wrap_tensor_autograd":
+        # Point-to-point sends and receives (chapter 08's stages) are counted by PipelineSends.
+        skipped = ("wait_tensor", "_wrap_tensor_autograd", "send", "recv_")
+        if func.namespace in ("_c10d_functional", "c10d") and name not in skipped:
             if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):  # TP, traced by DTensor
                 tensor, n = args[0], args[1] if name == "all_gather_into_tensor" else args[2]
                 kind = "all_gather" if name == "all_gather_into_tensor" else "reduce_scatter"
@@ -484,3 +487,149 @@ def test_fp8_all_gathers_only_where_fsdp_gathers(world, shard, gathers, fake_wor
                        torch.device("cpu"))  # fmt: skip
     # 4 blocks of 7 layers in FP8: each weight gathered for forward and again for backward.
     assert len(calls) == (2 * 4 * 7 if gathers else 0), calls
+
+
+class PipelineSends:
+    """The activations and gradients a pipeline schedule sends and receives: every batch of point-to-point
+    ops goes through torch.distributed.pipelining's `_batch_p2p`, whichever the schedule. By (kind, peer)."""
+
+    def __init__(self, monkeypatch):
+        from torch.distributed.pipelining import schedules
+
+        self.sent, self.received, self.count = collections.Counter(), collections.Counter(), collections.Counter()
+        batch_p2p = schedules._batch_p2p
+
+        def recorded(ops, desc=None):
+            for op in ops:
+                kind = "send" if op.op is dist.isend else "recv"
+                key = (kind, dist.get_global_rank(op.group, op.group_peer))
+                (self.sent if kind == "send" else self.received)[key] += op.tensor.numel() * op.tensor.element_size()
+                self.count[key] += 1
+            return batch_p2p(ops, desc)
+
+        monkeypatch.setattr(schedules, "_batch_p2p", recorded)
+
+
+def pipeline_rank(chapter, config, argv, rank_of_stage, pp_rank):
+    """Chapter 08's stages and schedule as its main() builds them, on this process playing `pp_rank`'s
+    first dp rank (fake process group): the (pp, replicate, shard) mesh, the cut, FSDP per stage, the
+    PipelineStages with their shapes, the schedule; weights random."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    from transformers import AutoModelForCausalLM
+
+    from common import transformer_blocks
+
+    args = chapter.get_parser().parse_args(argv)
+    world, dp = dist.get_world_size(), dist.get_world_size() // args.pp_size
+    chapter.pipeline.check_layout(args, world, dp)
+    mesh = init_device_mesh("cpu", (args.pp_size, 1, dp), mesh_dim_names=("pp", "replicate", "shard"))
+    assert mesh["pp"].get_local_rank() == pp_rank and rank_of_stage(pp_rank) == dist.get_rank()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    blocks = transformer_blocks(model)
+    chapter.pipeline.check_model(model, blocks, args)
+    num_stages, stage_ids = chapter.pipeline.stage_ids(args, pp_rank)
+    parts, blocks = chapter.pipeline.split(model, blocks, stage_ids, num_stages)
+    for part in parts:
+        chapter.parallelize(part, [b for b in blocks if b in set(part.modules())], mesh, args, torch.float32, False)
+        part.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(std=0.02)
+        for name, buffer in type(model.model.rotary_emb)(config).named_buffers():
+            setattr(model.model.rotary_emb, name, buffer)
+    stages = [PipelineStage(part, i, num_stages, torch.device("cpu"), group=mesh["pp"].get_group(),
+                            **chapter.pipeline.shapes(args, config, torch.float32, i, num_stages))
+              for i, part in zip(stage_ids, parts)]  # fmt: skip
+    schedule = get_schedule_class(args.pp_schedule)(
+        stages if len(stages) > 1 else stages[0], n_microbatches=chapter.pipeline.microbatch_count(args),
+        loss_fn=functools.partial(model.loss_function, vocab_size=config.vocab_size), scale_grads=False,
+    )  # fmt: skip
+    return args, model, schedule
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_pipeline_stages_send_what_the_planner_counts(schedule, fake_world, monkeypatch, tmp_path):
+    """Chapter 08 at 2 nodes x 8 GPUs: pp 2 across the nodes, FSDP over each node's 8 ranks (Llama-3.1-8B's
+    widths, 4 blocks: 2 per stage, or 1 per stage and 2 stages per rank interleaved), rank 0 (the first
+    stage) running one pipeline step of 4 micro-batches of 1 row x 16 tokens, in its schedule's order.
+    What it sends to its neighbour (rank 8, the next node's first GPU) and receives from it: each
+    micro-batch's activations forward and their gradients back, per stage; FSDP's collectives over its node,
+    once per step (each unit gathered at the first forward and kept, its gradients reduce-scattered after
+    the last backward). Each as the planner counts it; and the stage forwards a rank holds at once, from
+    torch's own order of the schedule on both pp ranks, as the planner's in_flight says."""
+    from tools.plan import Layout, count, in_flight, plan
+
+    fake_world(16)
+    chapter = load("08-pipeline-parallel")
+    config = config_8b_widths()
+    config.num_hidden_layers, config.max_position_embeddings = 4, 16
+    argv = ["--pp-size", "2", "--pp-schedule", schedule, "--batch-size", "2", "--seq-length", "16"]
+    args, model, pipeline_schedule = pipeline_rank(chapter, config, argv, lambda pp_rank: 8 * pp_rank, pp_rank=0)
+    # The stages vote on whether their shapes are all known (each tells its neighbours): the fake group's
+    # receives bring zeros, a "no", and the stages would then try to exchange their shapes. The vote of the
+    # real run, where every stage was given its shapes: yes.
+    from torch.distributed.pipelining import PipelineStage
+
+    yes = torch.ones(1, dtype=torch.int32)
+    monkeypatch.setattr(PipelineStage, "_warmup_backward_result", lambda *args, **kwargs: yes)
+    sends = PipelineSends(monkeypatch)
+    ids = torch.randint(0, VOCAB, (4, 16))
+    with Collectives() as collectives:
+        pipeline_schedule.step(ids, target=ids, losses=[], return_outputs=False,
+                               loss_kwargs={"num_items_in_batch": torch.tensor(4 * 15)})  # fmt: skip
+    v = chapter.pipeline.stages_per_rank(schedule)
+    activation = 16 * config.hidden_size * 4  # a micro-batch of 1 row's hidden states, fp32
+    assert set(sends.sent) == {("send", 8)} and set(sends.received) == {("recv", 8)}, sends.count
+    # Forward: each micro-batch's output from every stage but the last; back: its input's gradient, but stage 0's.
+    assert sends.count == {("send", 8): (2 * v - 1) * 4, ("recv", 8): (2 * v - 1) * 4}, sends.count
+    assert sends.sent[("send", 8)] == sends.received[("recv", 8)] == (2 * v - 1) * 4 * activation
+    assert {n for kind, n, size in collectives.sent} == {8}, collectives.calls  # FSDP within the node only
+
+    config.save_pretrained(tmp_path)
+    m = count(str(tmp_path))
+    layout = Layout("asked", 16, pp=2, schedule=schedule)
+    planned = plan(m, layout, 2, 16, compute_bytes=4, fp8=False)
+    assert planned["microbatches"] == 4 and planned["sent_pp"] == sends.sent[("send", 8)]
+    sent_dp = sum(collectives.sent.values())
+    print(f"\n{schedule}: sent over pp {sends.sent[('send', 8)]:,} B (planned {planned['sent_pp']:,.0f}), over dp "
+          f"{sent_dp:,.0f} B (planned {planned['sent_dp']:,.0f}, {sent_dp / planned['sent_dp'] - 1:+.2%})")  # fmt: skip
+    assert sent_dp == pytest.approx(planned["sent_dp"], rel=0.01), (sent_dp, planned["sent_dp"])
+    # Each unit gathered once and reduced once: 2 stages' blocks, the embeddings, the roots (rank 0's stage(s)).
+    gathers = {key: calls for key, calls in collectives.calls.items() if key[0] == "all_gather"}
+    assert sum(gathers.values()) == sum(calls for key, calls in collectives.calls.items() if key[0] == "reduce_scatter")
+    # The stage forwards held at once, as torch orders the schedule, on both pp ranks.
+    for rank, actions in pipeline_schedule.pipeline_order.items():
+        assert held_at_once(actions) == in_flight(schedule, 2, v, 4, rank), (schedule, rank)
+
+
+def held_at_once(actions) -> int:
+    """The most stage forwards whose backward has not run yet, in one rank's order of a schedule."""
+    held = peak = 0
+    for action in filter(None, actions):
+        held += {"F": 1, "B": -1}.get(action.computation_type.value, 0)
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("pp, microbatches", [(2, 2), (4, 4), (4, 8), (8, 16), (8, 12)])
+def test_pipeline_activations_held_as_the_planner_counts(pp, microbatches, fake_world):
+    """The stage forwards each pp rank holds at once (their activations, waiting for their backward), in the
+    order torch's schedules give, against the planner's `in_flight`, for every schedule chapter 08 runs, on
+    pipelines of 2 to 8 stages' ranks. Only the orders: tiny stages, nothing run."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from tools.plan import in_flight
+
+    fake_world(pp)
+    chapter = load("08-pipeline-parallel")
+    for schedule in chapter.pipeline.SCHEDULES:
+        v = chapter.pipeline.stages_per_rank(schedule)
+        stages = [PipelineStage(torch.nn.Linear(2, 2), i, pp * v, torch.device("cpu"), input_args=torch.empty(1, 2),
+                                output_args=torch.empty(1, 2)) for i in range(0, pp * v, pp)]  # fmt: skip
+        order = get_schedule_class(schedule)(stages if v > 1 else stages[0], microbatches).pipeline_order
+        for rank, actions in order.items():
+            assert held_at_once(actions) == in_flight(schedule, pp, v, microbatches, rank), (schedule, pp, rank)

@@ -16,7 +16,8 @@ from tools.diff import base, chapters, render_block, updated_readme
 def test_chapter_readmes_embed_their_current_diff():
     found = chapters()
     assert found[0].name == "01-single-gpu"
-    assert [base(chapter).name for chapter in found[-2:]] == ["05-tensor-parallel", "04-fsdp"]  # 07 builds on 04
+    # 07 and 08 build on 04.
+    assert [base(chapter).name for chapter in found[-3:]] == ["05-tensor-parallel", "04-fsdp", "04-fsdp"]
     for chapter in found[1:]:
         previous = base(chapter)
         readme = (chapter / "README.md").read_text()
@@ -214,6 +215,10 @@ def test_planner_counts_what_the_loss_backward_holds():
         (["--gpus-per-node", "2", "--tp-size", "4"], "fit in a node of 2"),
         (["--gpus-per-node", "16", "--tp-size", "16"], "must divide the model's attention heads (8)"),
         (["--nodes", "2", "--shard-size", "3"], "--shard-size 3 must divide the 16 dp ranks"),
+        (["--pp-size", "3"], "--pp-size 3 must divide the 8 GPUs, without --tp-size or --cp-size"),
+        (["--pp-size", "2", "--tp-size", "2"], "--pp-size 2 must divide the 8 GPUs, without --tp-size or --cp-size"),
+        (["--pp-size", "8"], "--pp-size 8 cuts 8 stages: the model needs as many blocks"),
+        (["--pp-size", "2", "--batch-size", "2", "--pp-microbatches", "3"], "must divide the pipeline's 4 rows"),
     ],
 )
 def test_planner_refuses_impossible_layouts(argv, words):
@@ -360,3 +365,44 @@ def test_data_prepared_beforehand_is_found_by_the_chapters(tmp_path):
     assert "(1,308,032 tokens)" in proc.stdout and "(4.00 bytes per token)" in proc.stdout, proc.stdout
     run = run_chapter("01-single-gpu", *FAST_ARGS, "--max-steps", "1", "--save-dir", str(tmp_path), hf_home=hf_home)
     assert "Tokenizing" not in run.stderr
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_planner_bubble_is_the_idle_share_of_the_schedule(schedule):
+    """The bubble the planner prints, (p - 1) / (m + p - 1), is the share of time each rank idles in the
+    schedule's order over time (the timeline it draws: a forward 1 unit, a backward 2, each waiting for its
+    neighbour's), for pipelines of 2 to 8 stages and 1 to 8 micro-batches per stage."""
+    from tools.plan import Layout, bubble, timeline
+
+    for pp, microbatches in [(2, 2), (2, 7), (4, 4), (4, 8), (8, 8), (8, 64)]:
+        lines = timeline(schedule, pp, microbatches)
+        assert len({len(line) for line in lines}) == 1 and all(line.count(".") == lines[0].count(".") for line in lines)
+        idle = lines[0].count(".") / len(lines[0])
+        planned = bubble(Layout("PP", pp, pp=pp, schedule=schedule), microbatches)
+        assert idle == pytest.approx(planned), (pp, microbatches)
+
+
+def test_planner_counts_a_pipeline_stage_by_hand(capsys):
+    """Llama-3.1-70B over 8 nodes, pp 8 (a stage per node, 10 blocks each), FSDP over each node's 8 GPUs,
+    1F1B, 2 rows per GPU: 16 rows per pipeline step, 16 micro-batches of 1 row. The first stage's GPU holds
+    an eighth of its stage's state, and the whole stage gathered (bf16) and its gradients whole (fp32) until
+    the last backward; it holds 8 micro-batches' activations (pp - rank), and sends each micro-batch's hidden
+    states to the next node, receiving their gradients: 16 x 4096 tokens x 8192 x 2 bytes each way."""
+    from tools.plan import GIB, Layout, count, main, plan
+
+    m = count(str(REPO / "tools" / "model_shapes" / "llama-3.1-70b"))
+    planned = plan(m, Layout("PP", 64, pp=8), 2, 4096, 2, False)
+    stage = m["embedding"] + 10 * m["block_params"]
+    assert planned["blocks"] == 10 and planned["microbatches"] == 16 and planned["in_flight"] == 8
+    assert planned["weights"] == 4 * stage / 8 and planned["optimizer"] == 8 * stage / 8
+    assert planned["gradients"] == 4 * stage + 4 * stage / 8 and planned["gathered"] == 2 * stage
+    assert planned["sent_pp"] == planned["sent_pp_each_way"] == 16 * 4096 * 8192 * 2  # the first stage: forward only
+    assert planned["sent_dp"] == pytest.approx(7 / 8 * (2 + 4) * stage)  # gathered once, reduce-scattered once
+    assert planned["network_per_nic"] == planned["sent_pp"] and planned["bubble"] == pytest.approx(7 / 23)
+    last = planned["last stage"]
+    assert last["in_flight"] == 1 and last["loss backward"] == 4096 * m["vocab"] * 8
+    main([str(REPO / "tools" / "model_shapes" / "llama-3.1-70b"), "--nodes", "8", "--pp-size", "8", "--batch-size", "2",
+          "--seq-length", "4096"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "pp 8 (1F1B, 16 micro-batches)" in out and "bubble: 30.4% of each step idle" in out
+    assert f"each stage {planned['sent_pp_each_way'] / GIB:.3f} GiB to the next and as much back" in out

@@ -2,6 +2,7 @@
 
     python -m tools.diff 01 02      # print the diff between chapters 01 and 02
     python -m tools.diff 04 07      # chapter 07 (context parallel) builds on chapter 04
+    python -m tools.diff 04 08      # chapter 08 (pipeline parallel) too
     python -m tools.diff --update   # rewrite the diff embedded in every chapter README
 
 A chapter README embeds its diff between two markers, which `--update` rewrites and the test
@@ -28,8 +29,9 @@ def chapters() -> list[Path]:
 
 
 # A chapter's README embeds its diff against the chapter before it, or against the one it builds on:
-# context parallel is chapter 04's FSDP plus CP, the layout long-context training runs.
-BASES = {"07-context-parallel": "04-fsdp"}
+# context parallel is chapter 04's FSDP plus CP, the layout long-context training runs; pipeline parallel
+# is chapter 04's FSDP within each stage, plus the stages.
+BASES = {"07-context-parallel": "04-fsdp", "08-pipeline-parallel": "04-fsdp"}
 
 
 def base(chapter_dir: Path) -> Path:

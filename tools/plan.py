@@ -69,8 +69,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import common  # noqa: F401  (first: it quiets torchao's import-time lines)
 
-# Which layers chapter 06 converts to FP8 is its own module's rule, beside its script.
+# Which layers chapter 06 converts to FP8 is its own module's rule, beside its script; which blocks each of
+# chapter 08's pipeline stages holds, and how many stages a rank runs, its module's.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "06-fp8"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "08-pipeline-parallel"))
+import pipeline  # noqa: E402
 from torchao_fp8 import fp8_filter  # noqa: E402
 
 GIB = 2**30
@@ -86,6 +89,9 @@ class Layout:
     shard: int = 0  # HSDP: the dp ranks each tensor is sharded over, replicated across groups of them (0: all)
     gpus_per_node: int = 8  # each with a NIC of its own, as on H100 nodes
     cp: int = 1  # context parallel (chapter 07): ranks that split each row's tokens, inside the dp ranks
+    pp: int = 1  # pipeline stages' ranks (chapter 08), the outer dimension: dp ranks hold each stage
+    microbatches: int = 0  # per pipeline step (0: one per row, as chapter 08's default)
+    schedule: str = "1F1B"  # chapter 08's --pp-schedule
 
 
 @functools.cache  # a model's config does not change while the planner runs
@@ -124,6 +130,15 @@ def activation_bytes(
     m: dict, tokens: int, tp: int, checkpointing: bool | str, compute_bytes: int, compiled: bool = True
 ) -> float:
     """Bytes kept for backward on one GPU, for `tokens` tokens (rows x seq-length) of its replica."""
+    kept, recomputed, outside = activation_parts(m, tp, checkpointing, compute_bytes, compiled)
+    return tokens * (m["layers"] * kept + recomputed + outside)
+
+
+def activation_parts(
+    m: dict, tp: int, checkpointing: bool | str, compute_bytes: int, compiled: bool = True
+) -> tuple[float, float, float]:
+    """Bytes per token: what each block keeps for backward, what one block's recomputation holds meanwhile
+    (with checkpointing), and what the final norm and the loss's log-softmax keep."""
     h, kv, mlp = m["hidden"], m["kv"], m["mlp"]
     if compiled:
         block = (6 * h + 2 * kv + 3 * mlp) * compute_bytes
@@ -131,15 +146,87 @@ def activation_bytes(
         block = 2 * h * 4 + (6 * h + 2 * kv + 4 * mlp) * compute_bytes
     if tp > 1:  # sequence parallel: all of it split, but the two gathered inputs of attention and the MLP
         block = (block - 2 * h * compute_bytes) / tp + 2 * h * compute_bytes
-    if checkpointing == "selective":  # the input, q, v, gate, down and attention's output of each block
-        kept = (4 * h + kv + mlp) * compute_bytes / tp  # with sequence parallel, all of it split over tp
-        blocks = m["layers"] * kept + block
-    elif checkpointing:
-        blocks = m["layers"] * h * compute_bytes / tp + block  # the blocks' inputs, and one block recomputed
-    else:
-        blocks = m["layers"] * block
     outside = (h * 4 + 2 * h * compute_bytes) / tp + m["vocab"] * 4 / tp  # the final norm's, as a block's
-    return tokens * (blocks + outside)
+    if checkpointing == "selective":  # the input, q, v, gate, down and attention's output of each block
+        return (4 * h + kv + mlp) * compute_bytes / tp, block, outside  # with sequence parallel, split over tp
+    if checkpointing:
+        return h * compute_bytes / tp, block, outside  # the blocks' inputs, and one block recomputed
+    return block, 0, outside
+
+
+def in_flight(schedule: str, pp: int, stages_per_rank: int, microbatches: int, rank: int) -> int:
+    """The stage forwards (a micro-batch through one of its stages) whose activations a pp rank holds at
+    once, at most: each waits for its backward. GPipe runs every forward first; 1F1B a backward as soon
+    as one can run, after pp - rank forwards; interleaved 1F1B (torch's, micro-batches in rounds of at
+    least pp) warms up (v - 1) rounds and 2 (pp - 1 - rank) forwards, and then holds one more in steady
+    state; looped BFS runs each local stage's forwards for all micro-batches. Counted against torch's
+    own schedules' orders by the test suite (tests/test_real_layouts.py)."""
+    if schedule == "GPipe":
+        return microbatches
+    if schedule == "1F1B":
+        return min(microbatches, pp - rank)
+    if schedule == "LoopedBFS":
+        return stages_per_rank * microbatches
+    per_round = microbatches // max(1, microbatches // pp)
+    warmup = min((stages_per_rank - 1) * per_round + 2 * (pp - 1 - rank), stages_per_rank * microbatches)
+    return min(warmup + 1, stages_per_rank * microbatches)
+
+
+def bubble(layout: Layout, microbatches: int) -> float:
+    """The fraction of a pipeline step each rank idles, waiting for its neighbours: (p - 1) stage-times of
+    filling and draining against m micro-batches (1F1B, GPipe), each v times shorter with v stages per rank."""
+    v = pipeline.stages_per_rank(layout.schedule)
+    return (layout.pp - 1) / (v * microbatches + layout.pp - 1)
+
+
+def timeline(schedule: str, pp: int, microbatches: int) -> list[str]:
+    """One line per pp rank, one character per time unit: each micro-batch's forward through the rank's
+    stage (its number, 1 unit), its backward (letters, a for micro-batch 0: 2 units, twice the forward's
+    matmuls), idle (.). The orders are torch's Schedule1F1B's and ScheduleGPipe's: GPipe runs every forward,
+    then every backward; 1F1B, pp - rank forwards, then a backward for each forward. A forward waits for the
+    previous stage's, a backward for the next stage's."""
+    if schedule == "GPipe":
+        orders = [[("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)] for _ in range(pp)]
+    else:
+        orders = []
+        for rank in range(pp):
+            warmup = min(microbatches, pp - rank)
+            order = [("F", i) for i in range(warmup)]
+            for i in range(microbatches - warmup):
+                order += [("B", i), ("F", warmup + i)]
+            orders.append(order + [("B", i) for i in range(microbatches - warmup, microbatches)])
+    # When each (kind, rank, micro-batch) ends; when each rank is free again; what each has done, unit by unit.
+    done, free, lines = {}, [0] * pp, [[] for _ in range(pp)]
+    while any(orders):
+        for rank in range(pp):
+            if not orders[rank]:
+                continue
+            kind, i = orders[rank][0]
+            if kind == "F":
+                ready = [("F", rank - 1, i)] if rank > 0 else []
+            else:
+                ready = [("F", rank, i)] + ([("B", rank + 1, i)] if rank < pp - 1 else [])
+            if all(key in done for key in ready):
+                start = max([free[rank], *(done[key] for key in ready)])
+                mark, duration = (str(i % 10), 1) if kind == "F" else ("abcdefghijklmnopqrstuvwxyz"[i % 26], 2)
+                lines[rank] += ["."] * (start - len(lines[rank])) + [mark] * duration
+                done[(kind, rank, i)] = free[rank] = start + duration
+                orders[rank].pop(0)
+    end = max(map(len, lines))
+    return ["".join(line) + "." * (end - len(line)) for line in lines]
+
+
+def stage_params(m: dict, layout: Layout, rank: int) -> tuple[float, int]:
+    """The parameters of a pp rank's stages (chapter 08's cut: pipeline.stage_blocks), and its blocks."""
+    v = pipeline.stages_per_rank(layout.schedule)
+    stages = range(rank, layout.pp * v, layout.pp)
+    blocks = sum(len(pipeline.stage_blocks(m["layers"], layout.pp * v, s)) for s in stages)
+    params = blocks * m["block_params"]
+    if rank == 0:
+        params += m["embedding"]
+    if rank == layout.pp - 1:  # the final norm and the output layer: the rest
+        params += m["params"] - m["layers"] * m["block_params"] - m["embedding"]
+    return params, blocks
 
 
 def loss_backward_bytes(m: dict, tokens: int, tp: int) -> float:
@@ -152,6 +239,8 @@ def plan(
 ) -> dict:
     """Per GPU: bytes held at the peak (state, gathered blocks, activations, the loss's backward) and
     bytes sent per step."""
+    if layout.pp > 1:
+        return pipeline_plan(m, layout, batch_size, seq_length, compute_bytes, compiled)
     p, n, t = m["params"], layout.gpus, layout.tp
     dp = n // t // layout.cp  # the ranks that take rows of their own
     # HSDP: sharded over `shard` dp ranks, replicated over dp // shard groups. FSDP shards over the cp
@@ -227,14 +316,90 @@ def plan(
     }
 
 
+def pipeline_plan(
+    m: dict, layout: Layout, batch_size: int, seq_length: int, compute_bytes: int, compiled: bool
+) -> dict:
+    """Chapter 08's pipeline (FSDP within each stage's dp ranks), for the first stage's rank (the most
+    activations in flight) and, under "last stage", the last's (the output layer and the loss): what each
+    holds at its peak, and sends per pipeline step (--batch-size rows for each of a pipeline's ranks).
+
+    A stage's units stay gathered from the first micro-batch's forward to the last's backward, and its
+    gradients accumulate whole (fp32) until then (PipelineStage keeps FSDP from reducing them earlier):
+    gathered and reduce-scattered once per step, but a stage's full weights and gradients held meanwhile.
+    Each stage sends every micro-batch's output to the next stage and the gradient of its input back:
+    (rows per micro-batch) x seq x hidden, in the compute dtype, each way."""
+    v, pp = pipeline.stages_per_rank(layout.schedule), layout.pp
+    dp = layout.gpus // pp
+    shard = layout.shard or dp
+    microbatches = layout.microbatches or pp * batch_size
+    tokens = pp * batch_size // microbatches * seq_length  # per micro-batch
+    kept, recomputed, outside = activation_parts(m, 1, layout.checkpointing, compute_bytes, compiled)
+    activation = tokens * m["hidden"] * compute_bytes  # what a stage sends on, per micro-batch
+
+    def ring(k):
+        return (k - 1) / k if k > 1 else 0
+
+    ranks = {}
+    for rank in dict.fromkeys([0, pp - 1]):
+        params, blocks = stage_params(m, layout, rank)
+        chunks = in_flight(layout.schedule, pp, v, microbatches, rank)
+        last = rank == pp - 1
+        # Each stage forward held keeps its blocks' activations, the last stage's also its log-softmax.
+        held = tokens * (chunks * blocks / v * kept + (max(1, chunks // v) * outside if last else 0) + recomputed)
+        # The gradients accumulate whole, and are reduce-scattered into their shards at the end.
+        state = {"weights": 4 * params / shard, "gradients": 4 * params * (1 + 1 / shard)}
+        state["optimizer"] = 8 * params / shard
+        gathered = compute_bytes * params
+        loss_backward = loss_backward_bytes(m, tokens, 1) if last else 0
+        replicate = ring(dp // shard) * 2 * 4 * params / shard
+        shard_group = ring(shard) * (compute_bytes + 4) * params
+        sent_pp = (2 * v - (rank == 0) - last) * microbatches * activation
+        g = layout.gpus_per_node
+        network = (sent_pp if dp >= g else 0) + (shard_group / min(shard, g) if shard > g else 0)
+        network += replicate / max(g // shard, 1) if dp > shard and dp > g else 0
+        ranks[rank] = {
+            **state,
+            "sharded gradients": 4 * params / shard,
+            "gathered": gathered,
+            "activations": held,
+            "loss backward": loss_backward,
+            "total": sum(state.values()) + gathered + held + loss_backward,
+            "sent_dp": shard_group + replicate,
+            "sent_replicate": replicate,
+            "network_per_nic": network,
+            "nvlink_dp": (0 if shard > g else shard_group) + (0 if dp > g else replicate) + (0 if dp >= g else sent_pp),
+            "sent_tp": 0,
+            "sent_cp": 0,
+            "sent_pp": sent_pp,
+            "in_flight": chunks,
+            "blocks": blocks,
+        }
+    first, last = ranks[0], ranks[pp - 1]
+    return {
+        **first,
+        "total": max(first["total"], last["total"]),
+        "first stage total": first["total"],
+        "last stage": last,
+        "microbatches": microbatches,
+        "bubble": bubble(layout, microbatches),
+        "sent_pp_each_way": microbatches * activation,
+    }
+
+
 def check(m: dict, layout: Layout, gpus_per_node: int, seq_length: int) -> str | None:
     """Why `layout` cannot run, or None."""
     if layout.gpus % layout.tp or layout.tp > gpus_per_node:
         return f"--tp-size {layout.tp} must divide the {layout.gpus} GPUs and fit in a node of {gpus_per_node}"
     if layout.cp > 1 and (layout.gpus % (layout.tp * layout.cp) or seq_length % (2 * layout.cp)):
         return f"--cp-size {layout.cp} must divide the GPUs, and 2 x --cp-size the --seq-length ({seq_length})"
-    if layout.shard and (layout.gpus // layout.tp) % layout.shard:
-        return f"--shard-size {layout.shard} must divide the {layout.gpus // layout.tp} dp ranks"
+    if layout.shard and (layout.gpus // layout.tp // layout.pp) % layout.shard:
+        return f"--shard-size {layout.shard} must divide the {layout.gpus // layout.tp // layout.pp} dp ranks"
+    if layout.pp > 1:  # chapter 08's refusals, which need the model: its blocks, its tied embeddings
+        stages = layout.pp * pipeline.stages_per_rank(layout.schedule)
+        if layout.gpus % layout.pp or layout.tp > 1 or layout.cp > 1:
+            return f"--pp-size {layout.pp} must divide the {layout.gpus} GPUs, without --tp-size or --cp-size"
+        if m["layers"] < stages or m["tied"]:
+            return f"--pp-size {layout.pp} cuts {stages} stages: the model needs as many blocks, and untied embeddings"
     for name, value in [
         ("attention heads", m["heads"]),
         ("key/value heads", m["kv_heads"]),
@@ -247,7 +412,8 @@ def check(m: dict, layout: Layout, gpus_per_node: int, seq_length: int) -> str |
 
 def layouts(gpus: int, gpus_per_node: int) -> list[Layout]:
     """The chapters' layouts, simplest first: DDP, FSDP (and HSDP, a node per group, on several nodes),
-    then FSDP x TP inside a node, each without and then with activation checkpointing, then FSDP x CP."""
+    then FSDP x TP inside a node, each without and then with activation checkpointing, then FSDP x CP,
+    then, on several nodes, FSDP x PP with a stage per node (1F1B, one row per micro-batch)."""
     options = [Layout("DDP (01-03)", gpus, sharded=False)]
     for tp in [1, 2, 4, 8]:
         if tp <= gpus_per_node and gpus % tp == 0:
@@ -260,6 +426,11 @@ def layouts(gpus: int, gpus_per_node: int) -> list[Layout]:
     for cp in [2, 4, 8]:
         if cp <= gpus_per_node and gpus % cp == 0:
             options += [Layout(f"FSDP x CP {cp} (07) + AC", gpus, checkpointing=True, cp=cp)]
+    # Pipeline stages across the nodes, where only activations then cross the network.
+    if gpus > gpus_per_node and gpus % gpus_per_node == 0:
+        pp = gpus // gpus_per_node
+        options += [Layout(f"FSDP x PP {pp} (08)", gpus, pp=pp)]
+        options += [Layout(f"FSDP x PP {pp} (08) + AC", gpus, checkpointing=True, pp=pp)]
     return options
 
 
@@ -270,10 +441,13 @@ def main(argv=None) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--tp-size", type=int, default=1, help="the layout to detail (1: FSDP)")
     parser.add_argument("--cp-size", type=int, default=1, help="context parallel (07): ranks that split each row")
+    parser.add_argument("--pp-size", type=int, default=1, help="pipeline parallel (08): stages, over as many ranks")
+    parser.add_argument("--pp-schedule", choices=pipeline.SCHEDULES, default="1F1B")
+    parser.add_argument("--pp-microbatches", type=int, default=0, help="per pipeline step (default: one per row)")
     parser.add_argument("--ddp", action="store_true", help="detail DDP instead of FSDP")
     parser.add_argument("--shard-size", type=int, default=0, help="HSDP: dp ranks per shard group (default: all)")
     parser.add_argument("--activation-checkpointing", nargs="?", const="full", choices=["full", "selective"])
-    parser.add_argument("--batch-size", type=int, default=1, help="rows per replica per micro-step")
+    parser.add_argument("--batch-size", type=int, default=1, help="rows per replica per micro-step (pp: per GPU)")
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
     parser.add_argument("--fp8", action="store_true", help="chapter 06's tensorwise FP8 all-gathers")
@@ -289,8 +463,11 @@ def main(argv=None) -> None:
     gpus = args.nodes * args.gpus_per_node
     compute_bytes = 2 if args.dtype == "bfloat16" else 4
     chosen = Layout("asked", gpus, args.tp_size, not args.ddp, args.activation_checkpointing, args.shard_size, args.gpus_per_node,
-                    args.cp_size)  # fmt: skip
+                    args.cp_size, args.pp_size, args.pp_microbatches, args.pp_schedule)  # fmt: skip
     problem = check(m, chosen, args.gpus_per_node, args.seq_length)
+    rows, microbatches = args.pp_size * args.batch_size, args.pp_microbatches  # a pipeline step's
+    if args.pp_size > 1 and microbatches and (rows % microbatches or microbatches < args.pp_size):
+        problem = f"--pp-microbatches {microbatches} must divide the pipeline's {rows} rows, and be >= --pp-size"
     if problem:
         raise SystemExit(f"error: {problem}")
     print(
@@ -305,6 +482,9 @@ def main(argv=None) -> None:
         print(f"In FP8 (tensorwise, at tp {args.tp_size}): {fp8_layers} of each block\n")
     kind = "DDP" if args.ddp else f"HSDP over {args.shard_size}" if args.shard_size else "FSDP"
     ac = f", {args.activation_checkpointing} AC" if args.activation_checkpointing else ""
+    if args.pp_size > 1:
+        print_pipeline(result, args, kind, ac)
+        return
     print(f"Per GPU, {kind}, tp {args.tp_size}{f', cp {args.cp_size}' if args.cp_size > 1 else ''}{ac}:")
     for key in ["weights", "gradients", "optimizer", "gathered", "activations", "loss backward", "total"]:
         print(f"  {key:<13} {result[key] / GIB:8.2f} GiB")
@@ -345,6 +525,30 @@ def main(argv=None) -> None:
             "\nNone fits: fewer rows per step (--batch-size, with --grad-accum-steps for the same global batch), "
             "a shorter --seq-length, more GPUs, or --cpu-offload (chapter 04)."
         )
+
+
+def print_pipeline(result: dict, args, kind: str, ac: str) -> None:
+    """Chapter 08's layout: per GPU of the first stage and of the last, the bubble and the stages' sends."""
+    last, m = result["last stage"], result["microbatches"]
+    print(f"Per GPU, {kind} within each stage, pp {args.pp_size} ({args.pp_schedule}, {m} micro-batches){ac}:")
+    print(f"  {'':<13} {'first stage':>12} {'last stage':>12}")
+    for key in ["weights", "gradients", "optimizer", "gathered", "activations", "loss backward"]:
+        print(f"  {key:<13} {result[key] / GIB:8.2f} GiB {last[key] / GIB:8.2f} GiB")
+    print(f"  {'total':<13} {result['first stage total'] / GIB:8.2f} GiB {last['total'] / GIB:8.2f} GiB")
+    print(f"  stage forwards held at once (activations): {result['in_flight']} on the first stage's GPUs, "
+          f"{last['in_flight']} on the last's; bubble: {result['bubble']:.1%} of each step idle")  # fmt: skip
+    if args.pp_schedule in ("1F1B", "GPipe") and 3 * (m + args.pp_size) < 100:
+        print(f"  {args.pp_schedule}'s order over time (forward: the micro-batch's digit, backward: its letter, "
+              f"twice as long; idle: .):")  # fmt: skip
+        for rank, line in enumerate(timeline(args.pp_schedule, args.pp_size, m)):
+            print(f"    pp rank {rank}: {line}")
+    network, nvlink = result["network_per_nic"], result["nvlink_dp"]
+    print(
+        f"  sent per step: each stage {result['sent_pp_each_way'] / GIB:.3f} GiB to the next and as much back "
+        f"(a first-stage GPU {result['sent_pp'] / GIB:.3f} GiB); over dp {result['sent_dp'] / GIB:.2f} GiB per GPU. "
+        f"Through each NIC {network / GIB:.2f} GiB, over NVLink {nvlink / GIB:.2f} GiB "
+        f"(at best {network / 1e9 / args.network_gbps + nvlink / 1e9 / args.nvlink_gbps:.3f} s)\n"
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,508 @@
+"""Chapter 08: pipeline parallel: the model's blocks cut into --pp-size stages, each rank running its stage's
+micro-batches in a schedule's order, activations passed on and their gradients back. FSDP2 shards each stage.
+
+    torchrun --standalone --nproc-per-node gpu 08-pipeline-parallel/train_llm.py --pp-size 2
+
+With no arguments it trains a tiny Llama on a small task dataset, both shipped in common/.
+Rerunning the same command resumes from the last checkpoint in --save-dir/--experiment-name.
+"""
+
+import functools
+import gc
+import json
+import logging
+import math
+import os
+import secrets
+import shutil
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import tqdm
+import wandb
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
+
+import common
+
+# isort: split
+# The chapter's own module, beside this script: what each stage holds, and the refusals.
+import pipeline
+
+logger = logging.getLogger(__name__)
+
+
+@common.record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
+def main():
+    # --- 1. Setup: flags, device, precision ---
+    # The imports' ~370k objects live as long as the process: no full collection (~0.3 s, mid-step) scans them.
+    gc.freeze()
+    args = get_parser().parse_args()
+    if "RANK" not in os.environ:  # started with plain python: no launcher has said which rank this is
+        raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
+    # torchrun starts one process per GPU and tells each who it is.
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    # Rank 0 speaks for the job; the others only report warnings and errors.
+    prefix = f"[{socket.gethostname()} rank={rank}] "  # where it runs: ranks do not follow a host list's order
+    common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
+    logger.info(args)
+    # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        logger.warning(f"Workers restarted {os.environ['TORCHELASTIC_RESTART_COUNT']} time(s): resuming")
+
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but no GPU is visible (did the job request GPUs?)")
+    device = init_distributed(args, device_type, local_rank)
+    # fp32 weights and optimizer state; matmuls in bf16 on GPU, fp32 on CPU.
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    # FSDP's mixed precision casts the weights for the matmuls itself: no autocast.
+    autocast = functools.partial(torch.autocast, device.type, enabled=False)
+    use_compile = args.compile if args.compile is not None else device.type == "cuda"
+    # The stages are the mesh's outer dimension: --pp-size groups of consecutive ranks (nodes), between which only
+    # activations and their gradients pass. FSDP shards each stage over its dp ranks, all of its group by default
+    # (--shard-size fewer: HSDP, a replica per group, whose all-gathers and reduce-scatters stay inside it).
+    dp_size = world_size // args.pp_size
+    shard_size = args.shard_size or dp_size
+    pipeline.check_layout(args, world_size, shard_size)
+    mesh_shape, mesh_dim_names = (args.pp_size, dp_size // shard_size, shard_size), ("pp", "replicate", "shard")
+    mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=mesh_dim_names)
+    dp_rank = rank % dp_size  # which rows this rank's pipeline trains on (pp is the outer dimension)
+
+    # --- 2. Config and tokenizer ---
+    # Everything that can fail on bad input happens before anything is written.
+    common.check_save_dir(args.save_dir)
+    with common.rank0_first(local=args.node_local_cache):
+        config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
+    # The export is in the model's published dtype (bf16 for most), read now: building in fp32 overwrites it.
+    export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
+
+    # --- 3. Data: tokenized, packed into rows, validation rows held out ---
+    with common.rank0_first(local=args.node_local_cache):
+        train_data, val_data = common.load_and_pack(args.dataset_name, tokenizer, args.seq_length, args.val_fraction)
+    # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows on every rank.
+    global_batch_rows = world_size * args.batch_size * args.grad_accum_steps
+    steps_per_epoch = len(train_data) // global_batch_rows
+    val_rows = len(val_data) if val_data is not None else 0
+    if steps_per_epoch == 0 or 0 < val_rows < world_size * args.batch_size:
+        raise SystemExit(
+            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} on {world_size} ranks "
+            f"is larger than the dataset ({len(train_data)} training and {val_rows} validation rows of "
+            f"{args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
+        )
+    total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
+    logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
+
+    # --- 4. Model ---
+    # Built on the CPU from the seed: every chapter starts from the same weights.
+    # Only rank 0 holds it whole; the others wait on the job's store (rank0_first) as long as a download takes.
+    torch.manual_seed(args.seed)
+    with common.rank0_first():
+        full_model = build_model(args, config) if rank == 0 else None
+    # Every rank builds the structure on the meta device (shapes, no memory) and allocates only its shards.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if args.activation_checkpointing:
+        # Each block keeps its input (selective: and some matmuls' and attention's outputs), recomputes the rest.
+        options = common.checkpointing_options(args.activation_checkpointing)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+    # Found once, now: fully_shard changes each block's class, and then the names would not match.
+    blocks = common.transformer_blocks(model)
+    pipeline.check_model(model, blocks, args)
+    flops_per_token = common.flops_per_token(model, config, args.seq_length)  # the whole model's, before the cut
+    # This rank's stages (pp rank r's: r, and r + pp, ... with looped schedules), each a module of its own, and
+    # `model` cut down to theirs: what the optimizer and the checkpoints see, under chapter 04's names.
+    num_stages, stage_ids = pipeline.stage_ids(args, mesh["pp"].get_local_rank())
+    parts, blocks = pipeline.split(model, blocks, stage_ids, num_stages)
+    for part in parts:  # each stage an FSDP root of its own, which its PipelineStage drives, allocated through it
+        parallelize(part, [block for block in blocks if block in set(part.modules())], mesh, args, dtype, use_compile)
+        part.to_empty(device="cpu" if args.cpu_offload else device)
+    send_full_weights(model, full_model, device)
+    del full_model
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info(f"{num_params:,} parameters in stages {stage_ids} of {num_stages}, sharded over {shard_size} ranks")
+    # Each stage sends its outputs to the next stage's rank over the pp group (in the next node), shapes given.
+    stages = [
+        PipelineStage(part, i, num_stages, device, group=mesh["pp"].get_group(),
+                      **pipeline.shapes(args, config, dtype, i, num_stages))
+        for i, part in zip(stage_ids, parts)
+    ]  # fmt: skip
+    # The schedule cuts each batch into micro-batches, and runs this rank's forwards and backwards in its order.
+    schedule = get_schedule_class(args.pp_schedule)(
+        stages if len(stages) > 1 else stages[0], n_microbatches=pipeline.microbatch_count(args),
+        loss_fn=functools.partial(model.loss_function, vocab_size=config.vocab_size), scale_grads=False,
+    )  # fmt: skip
+
+    # --- 5. Optimizer and LR schedule ---
+    params = common.adamw_param_groups(model, args.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=True)  # one kernel, GPU or CPU
+    # Linear warmup from 0 over --warmup-steps, then cosine decay to 10% of --lr at the last step.
+    lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, args.warmup_steps, total_steps, min_lr_rate=0.1
+    )
+
+    # --- 6. Resume from the last checkpoint, if there is one ---
+    exp_dir = Path(args.save_dir) / args.experiment_name
+    # The data position counts steps of global_batch_rows rows of seq_length tokens.
+    layout = {"global_batch_rows": global_batch_rows, "seq_length": args.seq_length}
+    # One wandb id for the job, drawn by rank 0: every rank must name its run after the same id.
+    wandb_run_id = [secrets.token_hex(4)]
+    dist.broadcast_object_list(wandb_run_id, src=0)
+    state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": wandb_run_id[0], **layout}
+    state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log line: a resumed run logs the same mean
+    checkpoint = common.latest_checkpoint(exp_dir)
+    # Every rank resumes from rank 0's step: with --save-dir on each node's own disk, others would start over.
+    rank0_checkpoint = [checkpoint]
+    dist.broadcast_object_list(rank0_checkpoint, src=0)
+    if checkpoint != rank0_checkpoint[0]:
+        raise SystemExit(
+            f"error: rank {rank} on {socket.gethostname()} finds checkpoint {checkpoint}, rank 0 finds "
+            f"{rank0_checkpoint[0]}: --save-dir must be one folder shared by all nodes"
+        )
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
+        common.check_resume(checkpoint, state, layout)
+        logger.info(f"Resumed from {checkpoint} at step {state['global_step']}")
+
+    # --- 7. Train ---
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    metrics_file = exp_dir / "metrics.jsonl" if rank == 0 else None  # rank 0 writes the job's metrics
+    init_wandb(args, exp_dir, state["wandb_run_id"])
+
+    tokens_per_step = global_batch_rows * args.seq_length
+    flops_per_step = tokens_per_step * flops_per_token
+    peak_flops = common.peak_bf16_flops(device)
+    timers = common.PhaseTimers(device, compare_ranks=True, blocks=blocks)  # blocks: timed without FSDP's waits
+    guard = common.NonFiniteGuard(device)
+    stop = common.StopSignal()
+    async_saves = common.AsyncCheckpoints(args.dist_timeout, device, optimizer) if args.async_checkpoints else None
+    postfix = {}  # what the progress bar shows after the counts
+    running_loss = state["running_loss"]
+    steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
+
+    def due(every):  # every `every` steps, and at the last one
+        return state["global_step"] % every == 0 or state["global_step"] == total_steps
+
+    with tqdm.tqdm(total=total_steps, initial=state["global_step"], desc="training", disable=rank != 0) as progress:
+        model.train()
+        stopping = None
+        while state["global_step"] < total_steps and not stopping:
+            # Each pipeline (a dp rank's ranks, one per stage) takes every dp_size-th row of the same permutation:
+            # --batch-size rows for each of its ranks. The first stage needs their tokens, the last their labels.
+            sampler = DistributedSampler(train_data, dp_size, dp_rank, shuffle=True, seed=args.seed, drop_last=True)
+            sampler.set_epoch(state["epoch"])
+            # On resume, the batches this epoch already trained on are skipped by index, never loaded.
+            indices = list(sampler)[state["epoch_step"] * global_batch_rows // dp_size :]
+            dataloader = DataLoader(
+                train_data, args.pp_size * args.batch_size, sampler=indices, drop_last=True,
+                pin_memory=device.type == "cuda",
+            )  # fmt: skip
+            batches = iter(dataloader)
+
+            for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
+                loss, grad_norm = train_step(
+                    model, schedule, batches, optimizer, lr_scheduler, args, timers, device, mesh["pp"].get_group()
+                )
+
+                state["global_step"] += 1
+                state["epoch_step"] += 1
+                progress.update()
+                # Accumulated on the device: calling .item() every step would wait for the GPU every step.
+                running_loss += loss
+                steps_since_log += 1
+                guard.update(state["global_step"], loss, grad_norm)
+                if async_saves:
+                    async_saves.poll()  # a save that failed (a full disk) stops the job at the next step
+
+                # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
+                stopping = stop.agreed(device)
+                if due(args.log_freq):
+                    timings = timers.summary(steps_since_log)  # waits for the GPU: elapsed then covers all queued work
+                    elapsed = time.perf_counter() - log_start
+                    guard.check()
+                    metrics = {
+                        "step": state["global_step"],
+                        "epoch": state["epoch"],
+                        "loss": running_loss.item() / steps_since_log,
+                        "lr": lr_scheduler.get_last_lr()[0],
+                        "grad_norm": grad_norm.item(),
+                        "tokens_per_s": steps_since_log * tokens_per_step / elapsed,
+                        **timings,
+                        **common.memory_stats(device),
+                        **common.shard_memory(model, optimizer),
+                    }
+                    if peak_flops:
+                        metrics["mfu"] = steps_since_log * flops_per_step / elapsed / (world_size * peak_flops)
+                    common.log_metrics(metrics, metrics_file)
+                    postfix.update(loss=f"{metrics['loss']:.3f}", tokens_per_s=f"{metrics['tokens_per_s']:.0f}")
+                    progress.set_postfix(postfix)
+                    running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
+
+                if val_data is not None and not stopping and due(args.eval_every):
+                    val_loss = evaluate(model, schedule, val_data, args, device, autocast)
+                    common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
+                    postfix.update(val_loss=f"{val_loss:.3f}")
+                    progress.set_postfix(postfix)
+                    log_start = time.perf_counter()  # evaluating is not training: keep it out of tokens/s
+
+                if due(args.ckpt_freq) or stopping:
+                    guard.check()  # a model with NaN weights never becomes a checkpoint
+                    state["running_loss"], state["steps_since_log"] = float(running_loss), steps_since_log
+                    with timers("checkpoint"):  # what the save costs the training loop
+                        save_checkpoint(
+                            exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints, async_saves
+                        )
+                    log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
+                if stopping:
+                    break
+
+            if state["epoch_step"] == steps_per_epoch:
+                state["epoch"] += 1
+                state["epoch_step"] = 0
+
+    # --- 8. Export ---
+    if async_saves:
+        async_saves.close()  # a stop, and the end, wait for the last checkpoint to be written and published
+    if args.export_hf and not stopping:
+        export_hf(common.latest_checkpoint(exp_dir), config, tokenizer, args.export_hf, export_dtype)
+    if stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
+        logger.info(f"Stopped by {stopping} at step {state['global_step']}: rerun the same command to resume")
+    else:
+        wandb.finish()
+        logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
+    dist.destroy_process_group()
+
+
+def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, device, pp_group):
+    """One optimizer step on --grad-accum-steps micro-batches: its loss and gradient norm, left on the device."""
+    step_loss = torch.zeros((), device=device)  # the last stage's losses; 0 on the other stages
+    for micro_step in range(args.grad_accum_steps):
+        with timers("data"):
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            # HF's loss: the mean over all pipelines' predicted tokens (labels shifted, -100 ignored), however the
+            # rows are cut into micro-batches. Each one's is its sum over their count (a row counted by each pp rank).
+            num_items = (batch["labels"][:, 1:] != -100).sum() * args.grad_accum_steps
+            dist.all_reduce(num_items, op=dist.ReduceOp.SUM)
+
+        with timers("pipeline"):
+            # This rank's stages' forwards and backwards in the schedule's order: the first stage reads the tokens,
+            # the last the labels. FSDP reduce-scatters a stage's gradients after its last micro-batch's backward.
+            losses, loss_kwargs = [], {"num_items_in_batch": num_items / dist.get_world_size()}  # per dp rank
+            schedule.step(batch["input_ids"], target=batch["labels"], losses=losses, loss_kwargs=loss_kwargs,
+                          return_outputs=False)  # no logits kept to the step's end: each freed after its backward
+        step_loss += sum(loss.detach() for loss in losses)
+    # The last stage's ranks trained on other rows: the job's loss is the sum of their shares, over the dp ranks.
+    dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+    step_loss /= dist.get_world_size() // args.pp_size
+
+    with timers("optimizer"):
+        # The norm is over all stages' gradients: the squares of each stage's norm (over its shards) summed over the
+        # pp group. Each stage clipped by its own norm would no longer step where the model's gradient points.
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads).full_tensor() ** 2
+        dist.all_reduce(grad_norm, op=dist.ReduceOp.SUM, group=pp_group)
+        grad_norm = grad_norm.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.max_grad_norm, grad_norm)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step_loss, grad_norm
+
+
+def build_model(args, config):
+    """The model in fp32 on the CPU: random weights from the seed, or --from-pretrained the published ones."""
+    if not args.from_pretrained:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        return AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
+    except OSError as err:
+        raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
+
+
+def send_full_weights(model, full_model, device):
+    """Rank 0's full weights (`full_model`; None elsewhere), sent tensor by tensor into every rank's shards."""
+    rank = dist.get_rank()
+    full_state = full_model.state_dict() if rank == 0 else {}
+    # Not strict: rank 0's full weights hold every stage's, and each rank's model its own stages' only.
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    assert not set_model_state_dict(model, full_state, options=options).missing_keys
+    # Buffers outside the state dict (rotary frequencies) are sent too, to the device (to_empty: maybe the CPU).
+    for name, buffer in model.named_buffers():
+        value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty_like(buffer, device=device)
+        dist.broadcast(value, src=0)
+        module_name, _, buffer_name = name.rpartition(".")
+        setattr(model.get_submodule(module_name), buffer_name, value)
+
+
+def parallelize(model, blocks, mesh, args, dtype, use_compile):
+    """What the chapter does to the model, in the order it must be done (torchtitan's parallelize_llama
+    is the model; main() has switched on activation checkpointing): compile, then FSDP."""
+    if use_compile:
+        # Each block on its own, FSDP's hooks between blocks outside the compiled code; and whole (fullgraph): a
+        # graph break would silently split it, leaving the collectives and casts between the pieces uncompiled.
+        for block in blocks:
+            block.compile(fullgraph=True)
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
+    # A 2-D mesh is HSDP to fully_shard; with one group, its 1-D shard dimension is plain FSDP.
+    fsdp_mesh = mesh["replicate", "shard"] if mesh["replicate"].size() > 1 else mesh["shard"]
+    apply_fsdp(model, blocks, fsdp_mesh, mp_policy, offload_policy, args)
+
+
+def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy, args):
+    """Shards the input embeddings, each block and the output head as units, then the root (the rest). A unit's
+    weights are all-gathered just before its forward and backward, its gradients reduce-scattered when ready, while
+    the next unit computes. The root's stay gathered all step: the largest, embeddings and head, are units (untied).
+    In a pipeline, the units stay gathered from the first micro-batch's forward to the last's backward (torchtitan
+    does so): gathered for each, they would cost --pp-microbatches times the bytes."""
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    tied = model.config.tie_word_embeddings
+    if not tied and model.get_input_embeddings() is not None:  # the first stage's
+        shard(model.get_input_embeddings(), reshard_after_forward=args.pp_size == 1)
+    for block in blocks:
+        shard(block, reshard_after_forward=args.pp_size == 1)
+    if not tied and model.get_output_embeddings() is not None:  # the last stage's
+        # Backward needs the head right after forward: kept gathered in between, not gathered twice.
+        shard(model.get_output_embeddings(), reshard_after_forward=False)
+    shard(model)
+
+
+def init_distributed(args, device_type, local_rank):
+    """Joins the job (torchrun said where the others are) and returns the device: the local rank's GPU, or
+    the CPU. A collective that waits longer than the timeout fails instead of hanging forever."""
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # With --cpu-offload, collectives over the shards and gradients on the CPU (clipping's norm) need gloo too.
+        backend = "cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl"
+        dist.init_process_group(backend, timeout=timedelta(minutes=args.dist_timeout), device_id=device)
+    else:
+        if args.cpu_offload:
+            raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
+    return device
+
+
+def init_wandb(args, exp_dir, run_id):
+    """The run's wandb run. Its id comes from the checkpoint: a resumed run continues its wandb run, and a
+    new run (after deleting the folder, or another chapter under the same name) never continues an old one."""
+    # One per rank (each rank's timings and memory are its own), grouped by job.
+    rank = dist.get_rank()
+    wandb_dir = exp_dir / f"rank-{rank}"
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    wandb.init(
+        dir=wandb_dir,
+        id=f"{run_id}-{rank}",
+        name=f"{args.experiment_name}-rank-{rank}",
+        group=f"{args.experiment_name}-{run_id}",
+        resume="allow",
+        config=vars(args),
+        mode=common.wandb_mode(),
+    )
+
+
+def export_hf(checkpoint, config, tokenizer, folder, dtype):
+    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer."""
+    if dist.get_rank() != 0:  # no rank holds every stage: rank 0 reads them from the end's checkpoint
+        return
+    export_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    dcp.load({"model": export_model.state_dict()}, checkpoint_id=checkpoint, no_dist=True)
+    export_model.to(dtype)
+    export_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    logger.info(f"Exported the model to {folder} in {dtype}")
+
+
+def evaluate(model, schedule, val_data, args, device, autocast) -> float:
+    """The mean loss over the first --eval-batches global batches of the validation rows, without
+    gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
+    global_batch = dist.get_world_size() * args.batch_size
+    rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
+    # Each pipeline takes every dp_size-th row, and the sum of its micro-batches' mean losses is all-reduced.
+    dp_size, batch_size = dist.get_world_size() // args.pp_size, args.pp_size * args.batch_size
+    sampler = DistributedSampler(rows, dp_size, dist.get_rank() % dp_size, shuffle=False)
+    total = torch.zeros((), device=device)
+    model.eval()
+    with torch.no_grad(), autocast():
+        for batch in DataLoader(rows, sampler=sampler, batch_size=batch_size):
+            losses = []  # the last stage's
+            schedule.eval(batch["input_ids"].to(device), target=batch["labels"].to(device), losses=losses,
+                          return_outputs=False)  # fmt: skip
+            total += sum(losses)
+    model.train()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.item() / (len(rows) // batch_size * pipeline.microbatch_count(args))
+
+
+def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):
+    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position.
+    With `async_saves`, it returns once the copy to CPU memory has started: written and published beside training."""
+    final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
+    # Written under a temporary name, renamed when complete: a crash mid-save leaves nothing resume would trust.
+    tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
+    rank = dist.get_rank()
+    with common.saving(tmp_dir, state["global_step"]):
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            tmp_dir.mkdir(parents=True)
+        dist.barrier()
+        # Every rank writes its own shards, and DCP records where each sits in the full tensor: resharded on load.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        pipeline.name_every_stage(optimizer_state)  # as chapter 04's: a checkpoint that loads at any --pp-size
+        shards = {"model": model_state, "optimizer": optimizer_state}
+        if async_saves:
+            async_saves.start(shards, tmp_dir, final_dir, state["global_step"], keep)
+        else:
+            dcp.save(shards, checkpoint_id=tmp_dir)
+        if rank == 0:
+            torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
+            # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
+            torch.save(common.rng_state(device), tmp_dir / "rng.pt")
+            (tmp_dir / "state.json").write_text(json.dumps(state))
+            if not async_saves:
+                common.publish_checkpoint(tmp_dir, final_dir, keep)
+                logger.info(f"Saved {final_dir}")
+    dist.barrier()  # no rank runs ahead (and may crash) before the checkpoint is complete, or under way
+
+
+def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
+    with common.loading(checkpoint):
+        # DCP loads in place into this run's shards, whatever the number of ranks that saved them.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        shards = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(shards, checkpoint_id=checkpoint)
+        set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
+        lr_scheduler.load_state_dict(torch.load(checkpoint / "lr_scheduler.pt"))
+        common.set_rng_state(torch.load(checkpoint / "rng.pt"), device)
+        return json.loads((checkpoint / "state.json").read_text())
+
+
+def get_parser():
+    parser = common.base_parser(__doc__, __file__)
+    add = parser.add_argument
+    add("--dist-timeout", type=common.positive_float, default=10, help="minutes a collective may wait, then fails")
+    add("--node-local-cache", action="store_true", help="HF_HOME is on each node's disk: each node prepares the data")
+    add("--shard-size", type=common.positive_int, help="ranks that shard the model (default: all; fewer: HSDP)")
+    add("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
+    add("--async-checkpoints", action="store_true", help="write checkpoints beside training")
+    add("--pp-size", type=common.positive_int, default=1, help="ranks the model's blocks are cut over")
+    add("--pp-schedule", choices=pipeline.SCHEDULES, default="1F1B", help="the order of the micro-batches' passes")
+    add("--pp-microbatches", type=common.positive_int, help="micro-batches per pipeline step (default: one per row)")
+    return parser
+
+
+if __name__ == "__main__":
+    main()
