@@ -91,16 +91,17 @@ def main():
 
     # --- 3. Data: tokenized, packed into rows, validation rows held out ---
     with common.rank0_first(local=args.node_local_cache):
-        train_data, val_data = common.load_and_pack(args.dataset_name, tokenizer, args.seq_length, args.val_fraction)
+        train_data, val_data = common.load_and_pack(
+            args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=world_size * args.batch_size
+        )
     # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows on every rank.
     global_batch_rows = world_size * args.batch_size * args.grad_accum_steps
     steps_per_epoch = len(train_data) // global_batch_rows
-    val_rows = len(val_data) if val_data is not None else 0
-    if steps_per_epoch == 0 or 0 < val_rows < world_size * args.batch_size:
+    if steps_per_epoch == 0:
         raise SystemExit(
             f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} on {world_size} ranks "
-            f"is larger than the dataset ({len(train_data)} training and {val_rows} validation rows of "
-            f"{args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
+            f"is larger than the dataset ({len(train_data)} training rows of {args.seq_length} tokens); "
+            "pass a smaller --batch-size or --seq-length"
         )
     total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
@@ -116,8 +117,7 @@ def main():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if args.activation_checkpointing:
         # Each block keeps its input (selective: and some matmuls' and attention's outputs), recomputes the rest.
-        options = common.checkpointing_options(args.activation_checkpointing)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+        common.checkpoint_blocks(common.transformer_blocks(model), args.activation_checkpointing)
     # Found once, now: fully_shard changes each block's class, and then the names would not match.
     blocks = common.transformer_blocks(model)
     pipeline.check_model(model, blocks, args)
