@@ -84,10 +84,10 @@ def commands(file: str) -> list[Command]:
     """The file's commands in the order a reader meets them: code blocks and inline commands."""
     text = (REPO / file).read_text()
     found = []
-    for block in re.finditer(r"^```(?:bash|sh|shell)\n(.*?)^```", text, re.S | re.M):
+    for block in re.finditer(r"^```(?:bash|sh|shell)\n(.*?)^```", text, re.DOTALL | re.MULTILINE):
         first_line = text.count("\n", 0, block.start(1)) + 1
         found += _split_block(file, first_line, block.group(1))
-    prose = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
+    prose = re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.DOTALL | re.MULTILINE)
     for span in INLINE.finditer(prose):
         words = " ".join(span.group(1).split())
         if not PLACEHOLDER.search(words):

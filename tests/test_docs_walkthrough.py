@@ -19,7 +19,7 @@ from docs_commands import FAILS_ON_PURPOSE, REPO, commands, launches, markdown_f
 from harness import chapter_env, last_lines
 
 CAP = 3  # steps per chapter run
-NOISE = re.compile(r"deprecat|Failed to load|FutureWarning", re.I)
+NOISE = re.compile(r"deprecat|Failed to load|FutureWarning", re.IGNORECASE)
 WALKED = [f for f in markdown_files() if f != "BENCHMARKS.md"]
 
 
@@ -66,7 +66,7 @@ def test_a_reader_runs_the_cpu_commands_in_order(file, tmp_path, hf_home, monkey
             continue
         steps.unlink(missing_ok=True)
         proc = subprocess.run(["bash", "-c", command.text], cwd=folder, env=env, capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
+                              timeout=300, check=False)  # fmt: skip
         output = proc.stdout + proc.stderr
         expected = next((line for text, line in FAILS_ON_PURPOSE.items() if text in command.text), None)
         if expected:

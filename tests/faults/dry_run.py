@@ -115,6 +115,33 @@ def install(path: str) -> None:
 
     dtensor_utils._compute_local_shape_and_global_offset = real_offsets
 
+    # A pipeline's ranks first vote, by sends and receives, on whether every stage knows its neighbours' shapes:
+    # the fake group's receives hold zeros, not the peers' votes. This rank takes the chapter's given shapes.
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def shapes_given(self, stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedules._PipelineSchedule._warmup_p2p = shapes_given
+
+    # PROBE_DRY_RUN_DATA_REPEAT: every packed split repeated that many times, for a dataset as large as the
+    # one the command names (the embedded one stands in for it, and is smaller than a cluster's global batch).
+    repeat = int(os.environ.get("PROBE_DRY_RUN_DATA_REPEAT", "1"))
+    if repeat > 1:
+        import datasets
+
+        import common.data
+
+        pack = common.data._pack
+
+        def repeated(*args, **kwargs):
+            rows = pack(*args, **kwargs)
+            return datasets.concatenate_datasets([rows.with_format(None)] * repeat).with_transform(common.data._rows)
+
+        common.data._pack = repeated
+
     # The data is real numbers: the samplers' permutations, the DataLoader's seed, the rows it reads.
     for iterable in (RandomSampler, DistributedSampler, DataLoader):
         iterate = iterable.__iter__
