@@ -406,3 +406,23 @@ def test_planner_counts_a_pipeline_stage_by_hand(capsys):
     out = capsys.readouterr().out
     assert "pp 8 (1F1B, 16 micro-batches)" in out and "bubble: 30.4% of each step idle" in out
     assert f"each stage {planned['sent_pp_each_way'] / GIB:.3f} GiB to the next and as much back" in out
+
+
+def test_planner_puts_a_ceiling_on_fp8_above_what_an_h100_measured(capsys):
+    """FP8's ceiling by torchao's roofline model, for the runs BENCHMARKS.md measured on one H100 (2026-11-26):
+    Llama-3.2-1B's shape at 8 x 2048 tokens (bf16 at 47.3% MFU) at most 1.15x, where FP8 measured 1.056x; 3B's
+    at 2 x 2048 with full checkpointing (30.6% MFU) at most 1.12x, where it measured 0.90x. More tokens per
+    step make the converted matmuls a larger share, and a model with no layer in FP8 gains nothing."""
+    from tools.plan import Layout, count, fp8_ceiling, main
+
+    one_gpu, shapes = Layout("FSDP", 1), REPO / "tools" / "model_shapes"
+    small = fp8_ceiling(count(str(REPO / "tools" / "llama_1b_shape")), one_gpu, 8, 2048, 0.473)
+    assert round(small["ceiling"], 2) == 1.15 and small["fp8"] < small["bf16"] < small["step"]
+    full_ac = Layout("FSDP + AC", 1, checkpointing=True)
+    m = count(str(shapes / "llama-3.2-3b"))
+    assert round(fp8_ceiling(m, full_ac, 2, 2048, 0.306)["ceiling"], 2) == 1.12
+    assert fp8_ceiling(m, full_ac, 8, 2048, 0.306)["ceiling"] > fp8_ceiling(m, full_ac, 2, 2048, 0.306)["ceiling"]
+    assert fp8_ceiling(count(str(REPO / "common" / "tiny_llama")), one_gpu, 8, 128, 0.45)["ceiling"] == 1.0
+    main([str(REPO / "tools" / "llama_1b_shape"), "--gpus-per-node", "1", "--batch-size", "8", "--seq-length", "2048",
+          "--fp8", "--mfu", "0.473"])  # fmt: skip
+    assert "at most 1.15x the bf16 throughput" in capsys.readouterr().out

@@ -74,7 +74,7 @@ import common  # noqa: F401  (first: it quiets torchao's import-time lines)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "06-fp8"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "08-pipeline-parallel"))
 import pipeline  # noqa: E402
-from torchao_fp8 import fp8_filter  # noqa: E402
+from torchao_fp8 import fp8_filter, local_linear  # noqa: E402
 
 GIB = 2**30
 
@@ -103,10 +103,14 @@ def count(model_name: str) -> dict:
     names = set(model._no_split_modules or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     # Per --tp-size: the names of a block's linear layers that chapter 06 puts in FP8, and their weights.
-    fp8_layers = {}
+    # With the (in, out) features of each one's slice on a GPU, for FP8's ceiling.
+    fp8_layers, fp8_shapes = {}, {}
     for tp in [1, 2, 4, 8]:
         keep = fp8_filter("tensorwise", tp, fast_only=True)
-        fp8_layers[tp] = {n.rpartition(".")[2]: m.weight.numel() for n, m in blocks[0].named_modules() if keep(m, n)}
+        kept = {n: m for n, m in blocks[0].named_modules() if keep(m, n)}
+        fp8_layers[tp] = {n.rpartition(".")[2]: m.weight.numel() for n, m in kept.items()}
+        fp8_shapes[tp] = {n.rpartition(".")[2]: local_linear(m, n, tp).weight.shape[::-1] for n, m in kept.items()}
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -115,6 +119,10 @@ def count(model_name: str) -> dict:
         "embedding": model.get_input_embeddings().weight.numel(),
         "tied": bool(config.tie_word_embeddings),
         "fp8_layers": fp8_layers,
+        "fp8_shapes": fp8_shapes,
+        # The FLOPs per token the chapters' MFU counts (common.flops_per_token): 6 per matmul weight, and attention.
+        "matmul_weights": sum(m.in_features * m.out_features for m in linears),
+        "attention_flops": 12 * len(blocks) * heads * head_dim,  # per token, x seq-length
         "block_params": sum(p.numel() for p in blocks[0].parameters()),
         "layers": len(blocks),
         "hidden": config.hidden_size,
@@ -386,6 +394,40 @@ def pipeline_plan(
     }
 
 
+# What selective checkpointing recomputes of a Llama block's matmuls (common/model.py keeps every other one).
+SELECTIVE_RECOMPUTED = {"k_proj", "o_proj", "up_proj"}
+
+
+def fp8_ceiling(m: dict, layout: Layout, batch_size: int, seq_length: int, mfu: float, gpu="NVIDIA H100") -> dict:
+    """What chapter 06 (tensorwise, --fp8-layers fast) can gain at most on this layout, by torchao's own roofline
+    model (torchao.testing.training.roofline_utils): each converted layer's three matmuls (forward, and the
+    gradients of its input and weight) on this GPU's slice, in bf16 and in FP8 at 78% of the datasheet's
+    peaks or the memory traffic, whichever is longer, FP8's with the casts of its input, weight and output
+    gradient (amax reductions fused into the op before, as compiled); with activation checkpointing, each
+    recomputed forward again, with its input's cast. The time FP8 saves on them, out of a bf16 step that runs at
+    `mfu` (the chapters' MFU: model FLOPs over the datasheet's peak), gives the ceiling: everything else
+    (attention, the layers left in bf16, the output layer and the loss, the optimizer) is as fast as before."""
+    from torchao.testing.training import roofline_utils as roofline
+
+    e4m3, tokens = torch.float8_e4m3fn, batch_size * seq_length // layout.cp  # a micro-step's, on one GPU
+    specs = roofline.get_specs(gpu)
+    times = {"bf16": 0.0, "fp8": 0.0}
+    for name, (k, n) in m["fp8_shapes"].get(layout.tp, {}).items():
+        recompute = layout.checkpointing in (True, "full") or (layout.checkpointing == "selective" and name in SELECTIVE_RECOMPUTED)
+        bf16 = roofline.get_gemm_time_sympy(tokens, k, n, torch.bfloat16, None, None, gpu)
+        fp8 = roofline.get_gemm_time_sympy(tokens, k, n, e4m3, "tensorwise", None, gpu)
+        fp8 += roofline.get_float8_mem_sympy(tokens, k, n, "tensorwise", None, True, gpu)
+        if recompute:
+            bf16 += roofline.get_individual_gemm_time_sympy(tokens, k, n, torch.bfloat16, None, gpu)
+            fp8 += roofline.get_individual_gemm_time_sympy(tokens, k, n, e4m3, None, gpu)
+            fp8 += sum(roofline.get_tensor_memory_traffic_ovhd_s(specs, tokens, k, "input", "tensorwise", None, True))
+        times["bf16"] += m["layers"] * float(bf16)
+        times["fp8"] += m["layers"] * float(fp8)
+    flops = batch_size * seq_length * (6 * m["matmul_weights"] + m["attention_flops"] * seq_length) / layout.tp / layout.cp
+    step = flops / (specs["bf16_peak_tops"] * mfu)
+    return {**times, "step": step, "ceiling": step / (step - times["bf16"] + times["fp8"])}
+
+
 def check(m: dict, layout: Layout, gpus_per_node: int, seq_length: int) -> str | None:
     """Why `layout` cannot run, or None."""
     if layout.gpus % layout.tp or layout.tp > gpus_per_node:
@@ -450,7 +492,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="rows per replica per micro-step (pp: per GPU)")
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
-    parser.add_argument("--fp8", action="store_true", help="chapter 06's tensorwise FP8 all-gathers")
+    parser.add_argument("--fp8", action="store_true", help="chapter 06's tensorwise FP8 all-gathers, and its ceiling")
+    parser.add_argument("--mfu", type=float, default=0.45, help="bf16's MFU, for FP8's ceiling (H100, 1B: 0.46)")
     parser.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=True, help="compiled blocks (the GPU default)"
     )
@@ -479,7 +522,14 @@ def main(argv=None) -> None:
     result = plan(m, chosen, args.batch_size, args.seq_length, compute_bytes, args.fp8, args.compile)
     if args.fp8:
         fp8_layers = ", ".join(m["fp8_layers"][args.tp_size]) or "none (chapter 06 refuses the run)"
-        print(f"In FP8 (tensorwise, at tp {args.tp_size}): {fp8_layers} of each block\n")
+        print(f"In FP8 (tensorwise, at tp {args.tp_size}): {fp8_layers} of each block")
+        c = fp8_ceiling(m, chosen, args.batch_size, args.seq_length, args.mfu)
+        print(
+            f"FP8's ceiling (torchao's roofline model, H100): those layers' matmuls take {c['bf16'] * 1e3:.1f} ms per "
+            f"micro-step in bf16, {c['fp8'] * 1e3:.1f} ms in FP8 with their casts; of a bf16 micro-step of "
+            f"{c['step'] * 1e3:.0f} ms (at {args.mfu:.0%} MFU, --mfu), the rest stays: at most {c['ceiling']:.2f}x "
+            f"the bf16 throughput\n"
+        )
     kind = "DDP" if args.ddp else f"HSDP over {args.shard_size}" if args.shard_size else "FSDP"
     ac = f", {args.activation_checkpointing} AC" if args.activation_checkpointing else ""
     if args.pp_size > 1:
