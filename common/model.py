@@ -119,20 +119,22 @@ def checkpoint_blocks(blocks: list[torch.nn.Module], mode: str) -> None:
     compiled block then ran inside the checkpoint, and compile never saw the recompute. "selective" gives every
     call a fresh per-op policy."""
     for block in blocks:
-        block.forward = (_selective if mode == "selective" else _full)(block.forward)
+        block.forward = _checkpointed(block, block.forward, mode == "selective")
 
 
-# Functions, not functools.partial: dynamo traces these into the block's graph (it skips the whole frame of a
-# partial of checkpoint), and takes a context_fn that it sees as the module's function.
-def _full(forward):
+# HF's names for a block's KV cache: a checkpointed forward has none, or its recompute would write it again.
+_CACHES = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _checkpointed(block, forward, selective: bool):
+    # A function, not a functools.partial of checkpoint: dynamo traces it into the block's graph (it skips the
+    # whole frame of a partial), and takes the policy's context_fn as a function of this module.
     def checkpointed_forward(*args, **kwargs):
+        if not (block.training and torch.is_grad_enabled()):  # no backward to recompute for: evaluation
+            return forward(*args, **kwargs)
+        kwargs = {k: None if k in _CACHES else False if k == "use_cache" else v for k, v in kwargs.items()}
+        if selective:
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=_selective_context, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    return checkpointed_forward
-
-
-def _selective(forward):
-    def checkpointed_forward(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=_selective_context, **kwargs)
 
     return checkpointed_forward
