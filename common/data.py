@@ -33,11 +33,16 @@ def load_and_pack(dataset_name: str, tokenizer, seq_length: int, val_fraction: f
     val = packed.get(val_split)
     if val is None and val_fraction > 0:
         held_out = max(math.ceil(val_fraction * len(train)), min_val_rows)
+        if 2 * min_val_rows > len(train):
+            raise SystemExit(
+                f"error: --batch-size: the dataset packs into {len(train)} rows of {seq_length} tokens, too few for "
+                f"a batch of {min_val_rows} rows (--batch-size on every rank) to train on and another to validate "
+                "on; pass a smaller --batch-size or --seq-length"
+            )
         if held_out >= len(train):
             raise SystemExit(
-                f"error: --val-fraction {val_fraction} holds out {held_out} of the {len(train)} rows of {seq_length} "
-                f"tokens (at least one evaluation batch of {min_val_rows}), leaving none to train on: pass "
-                "--val-fraction 0 (no validation), or a smaller --batch-size or --seq-length"
+                f"error: --val-fraction {val_fraction} holds out all {len(train)} rows of {seq_length} tokens, "
+                "leaving none to train on: pass a smaller --val-fraction, or 0 (no validation)"
             )
         train, val = train.select(range(len(train) - held_out)), train.select(range(len(train) - held_out, len(train)))
     if val is not None and len(val) < min_val_rows:

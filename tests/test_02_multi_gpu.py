@@ -166,7 +166,9 @@ def test_batch_too_large_for_the_ranks_fails_clearly(tmp_path, hf_home):
         timeout=120,
     )
     assert proc.returncode != 0
-    assert "error: --batch-size 6000 x --grad-accum-steps 1 on 2 ranks is larger than the dataset" in proc.stderr
+    # One batch of 2 x 6000 rows to train on and one to validate on: more than the dataset's 10,219.
+    expected = "error: --batch-size: the dataset packs into 10219 rows of 128 tokens, too few for a batch of 12000"
+    assert expected in proc.stderr
     assert not save_dir.exists()
 
 

@@ -135,10 +135,20 @@ def test_validation_holds_out_at_least_one_batch_and_refuses_what_cannot_train(t
     path = write(tmp_path / "data" / "train.jsonl", lines)
     train, val = load_and_pack(str(path), tokenizer, 16, 0.01, min_val_rows=8)
     assert len(val) == 8 and len(train) > 8
+    rows = len(train) + len(val)
     with pytest.raises(SystemExit) as exit:
-        load_and_pack(str(path), tokenizer, 16, 0.01, min_val_rows=len(train) + 8)
-    assert str(exit.value.code).startswith(f"error: --val-fraction 0.01 holds out {len(train) + 8} of the")
-    assert "leaving none to train on: pass --val-fraction 0 (no validation), or a smaller" in str(exit.value.code)
+        load_and_pack(str(path), tokenizer, 16, 0.01, min_val_rows=rows // 2 + 1)
+    assert str(exit.value.code) == (
+        f"error: --batch-size: the dataset packs into {rows} rows of 16 tokens, too few for a batch of "
+        f"{rows // 2 + 1} rows (--batch-size on every rank) to train on and another to validate on; pass a "
+        "smaller --batch-size or --seq-length"
+    )
+    with pytest.raises(SystemExit) as exit:
+        load_and_pack(str(path), tokenizer, 16, 0.999, min_val_rows=8)
+    assert str(exit.value.code) == (
+        f"error: --val-fraction 0.999 holds out all {rows} rows of 16 tokens, leaving none to train on: pass a "
+        "smaller --val-fraction, or 0 (no validation)"
+    )
     assert load_and_pack(str(path), tokenizer, 16, 0.0, min_val_rows=10_000)[1] is None  # no validation asked
     write(tmp_path / "data" / "validation.jsonl", json.dumps({"text": "a short validation split " * 3}) + "\n")
     with pytest.raises(SystemExit) as exit:
