@@ -64,8 +64,9 @@ class ChapterRun:
     args: list
     nodes: int = 1
     per_node: str = "1"  # a number, or "gpu"
-    launcher: str = "python"  # python, torchrun, sbatch, ssh, benchmark
+    launcher: str = "python"  # python, torchrun, sbatch, ssh
     env: dict = field(default_factory=dict)
+    benchmark: bool = False  # started by tools.benchmark, into a folder of its own
 
     @property
     def world_size(self) -> int:
@@ -254,7 +255,7 @@ def _benchmark_runs(argv, env) -> list[ChapterRun]:
         chapter = next(p.name for p in REPO.glob(f"{options.chapter}-*") if (p / "train_llm.py").exists())
         launcher = "torchrun" if options.nproc else "python"
         flags = ["--max-steps", options.steps, *spec[split + 1 :]]
-        runs.append(ChapterRun(chapter, flags, 1, options.nproc or "1", launcher, env))
+        runs.append(ChapterRun(chapter, flags, 1, options.nproc or "1", launcher, env, benchmark=True))
     return runs
 
 
@@ -265,7 +266,7 @@ FAILS_ON_PURPOSE = {"--dataset-name data/missing": "error: --dataset-name 'data/
 def on_a_laptop(run: ChapterRun) -> bool:
     """Whether a CPU runs the chapter as written: one node, a number of processes, no GPU asked for, the tiny
     default model and data (a real model's steps take minutes on a CPU), and chapter 06 emulating FP8."""
-    cpu_only = run.flag("--device") != "cuda" and run.launcher in ("python", "torchrun", "benchmark")
+    cpu_only = run.flag("--device") != "cuda" and run.launcher in ("python", "torchrun")
     defaults = "--model-name" not in run.args and "--dataset-name" not in run.args
     fp8 = not run.chapter.startswith("06") or "--fp8-emulate" in run.args
     fails = any(text in shlex.join(run.args) for text in FAILS_ON_PURPOSE)

@@ -71,27 +71,51 @@ def mapped(run: ChapterRun) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("where", list(RUNS))
-def test_a_real_hardware_command_gets_through_its_first_step(where, tmp_path, hf_home):
-    import subprocess
-    import sys
-
-    run = RUNS[where]
-    report = tmp_path / "dry_run.json"
+def job(run: ChapterRun, folder) -> dict:
+    """A dry run of `run` in `folder`, for tests/faults/dry_runs.py."""
     # Enough blocks for the command's pipeline stages (two per rank with the looped schedules).
-    env = {"PROBE_DRY_RUN": report, "PROBE_DRY_RUN_BLOCKS": max(BLOCKS, 2 * int(run.flag("--pp-size", 1)))}
+    env = {"PROBE_DRY_RUN": str(folder / "dry_run.json"), "PROBE_DRY_RUN_BLOCKS": max(BLOCKS, 2 * int(run.flag("--pp-size", 1)))}
     if run.flag("--dataset-name") in DATASETS:
         env["PROBE_DRY_RUN_DATA_REPEAT"] = 16
     if run.launcher != "python":  # torchrun's variables, for rank 0 of the job
         env |= {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": run.world_size, "GROUP_RANK": 0, "ROLE_RANK": 0,
                 "LOCAL_WORLD_SIZE": run.world_size // run.nodes, "TORCHELASTIC_RESTART_COUNT": 0}  # fmt: skip
-    extra_path = str(REPO / "tests" / "fake_te") if run.flag("--fp8-backend") == "te" else None
     for name in ["tools", "common"]:  # the docs' relative paths, from where a reader runs them
-        (tmp_path / name).symlink_to(REPO / name)
-    argv = [sys.executable, str(REPO / run.chapter / "train_llm.py"), *mapped(run), "--save-dir", "out"]
-    full_env = chapter_env(hf_home, {**run.env, "PYTHONPATH": extra_path}, faults=env)
-    proc = subprocess.run(argv, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0 and report.exists(), f"{where}\n{' '.join(argv[1:])}\n{last_lines(proc.stderr, 30)}"
-    built = json.loads(report.read_text())
+        (folder / name).symlink_to(REPO / name)
+    return {
+        "script": str(REPO / run.chapter / "train_llm.py"),
+        "argv": [*mapped(run), "--save-dir", "out"],
+        "env": {key: str(value) for key, value in {**run.env, **env}.items()},
+        "cwd": str(folder),
+        "path": [str(REPO / "tests" / "fake_te")] if run.flag("--fp8-backend") == "te" else [],
+        "log": str(folder / "log.txt"),
+    }
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory, hf_home):
+    """Every run's dry run, in one process that imports the chapters' libraries once (tests/faults/dry_runs.py):
+    its folder, with dry_run.json (what was built) and log.txt (what it printed, and its exit status)."""
+    import subprocess
+    import sys
+
+    base = tmp_path_factory.mktemp("dry_runs")
+    folders = {where: base / str(i) for i, where in enumerate(RUNS)}
+    for folder in folders.values():
+        folder.mkdir()
+    jobs = base / "jobs.json"
+    jobs.write_text(json.dumps([job(RUNS[where], folders[where]) for where in RUNS]))
+    driver = REPO / "tests" / "faults" / "dry_runs.py"
+    subprocess.run([sys.executable, str(driver), str(jobs)], env=chapter_env(hf_home), check=True,
+                   timeout=300 * len(RUNS))  # fmt: skip
+    return folders
+
+
+@pytest.mark.parametrize("where", list(RUNS))
+def test_a_real_hardware_command_gets_through_its_first_step(where, dry_runs):
+    run, folder = RUNS[where], dry_runs[where]
+    log = (folder / "log.txt").read_text()
+    assert log.endswith("exit status: 0\n") and (folder / "dry_run.json").exists(), f"{where}\n{last_lines(log, 30)}"
+    built = json.loads((folder / "dry_run.json").read_text())
     assert built["world_size"] == run.world_size, built
     assert built["gradients"] == built["tensors"] > 0, built  # every parameter had its gradient at the step

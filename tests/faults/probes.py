@@ -41,21 +41,23 @@ def compile_counts(path: str, backend: str) -> None:
     from torch._dynamo.utils import counters
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    graphs = []  # per graph: the context_fn of each checkpoint region (None: full), in the order traced
+    # Per graph dynamo compiled (by its compile id: DDP's optimizer hands the backend one graph in pieces, one per
+    # bucket), the context_fn of each checkpoint region (None: full), in the order traced.
+    graphs = {}
 
     def recording_backend(gm, example_inputs):
-        regions = []
+        regions = graphs.setdefault(str(torch._guards.CompileContext.current_compile_id()), [])
         for node in gm.graph.nodes:
             if node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint:
                 context_fn = getattr(gm, node.args[0].target).meta.get("_checkpoint_context_fn")
                 regions.append(getattr(context_fn, "__name__", None))
-        graphs.append(regions)
         return lookup_backend(backend)(gm, example_inputs)
 
     torch.compile = functools.partial(torch.compile, backend=recording_backend)
 
     def after_step(optimizer, args, kwargs):
-        counts = {"graphs": len(graphs), "graph_breaks": sum(counters["graph_break"].values()), "checkpoints": graphs}
+        counts = {"graphs": len(graphs), "graph_breaks": sum(counters["graph_break"].values()),
+                  "checkpoints": list(graphs.values())}  # fmt: skip
         with open(path, "a") as f:
             f.write(json.dumps(counts) + "\n")
 
@@ -209,12 +211,14 @@ def count_steps(path: str) -> None:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    backward = torch.Tensor.backward
     since_step = {"backward": False}
 
-    def counted_backward(self, *args, **kwargs):
-        since_step["backward"] = True
-        return backward(self, *args, **kwargs)
+    def counted(backward):  # torch.autograd.backward (loss.backward() calls it) or .grad (a pipeline stage's)
+        def counted_backward(*args, **kwargs):
+            since_step["backward"] = True
+            return backward(*args, **kwargs)
+
+        return counted_backward
 
     def after_step(optimizer, args, kwargs):
         if since_step["backward"]:
@@ -222,7 +226,7 @@ def count_steps(path: str) -> None:
                 f.write(f"{os.getpid()}\n")
         since_step["backward"] = False
 
-    torch.Tensor.backward = counted_backward
+    torch.autograd.backward, torch.autograd.grad = counted(torch.autograd.backward), counted(torch.autograd.grad)
     register_optimizer_step_post_hook(after_step)
 
 
