@@ -5,6 +5,8 @@ import os
 from pathlib import Path
 
 import torch
+import transformers
+from packaging.version import Version
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers import AutoConfig, AutoTokenizer
 from transformers.models.auto.modeling_auto import (
@@ -17,10 +19,17 @@ from common.data import first_line, looks_like_path
 # The embedded default: a tiny Llama config with its tokenizer (see tools/make_tiny_default.py),
 # loaded through the same calls as a Hub name.
 DEFAULT_MODEL = str(Path(__file__).parent / "tiny_llama")
+# pyproject.toml's floor, the oldest transformers the chapters are tested with (the README says how).
+MIN_TRANSFORMERS = "5.0"
 
 
 def load_config_and_tokenizer(model_name: str, seq_length: int):
     """`AutoConfig` and `AutoTokenizer` for a Hub name or a local folder, checked for what training needs."""
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise SystemExit(
+            f"error: transformers {transformers.__version__} is installed; the chapters need {MIN_TRANSFORMERS} or "
+            f"newer: pip install -U 'transformers>={MIN_TRANSFORMERS}' (or pip install -e . from the repository)"
+        )
     flag = f"--model-name {model_name!r}"
     if looks_like_path(model_name) and not os.path.isdir(os.path.expanduser(model_name)):
         raise SystemExit(f"error: {flag}: no such folder (from {os.getcwd()})")

@@ -161,6 +161,18 @@ def test_validation_holds_out_at_least_one_batch_and_refuses_what_cannot_train(t
     )
 
 
+def test_a_transformers_older_than_the_floor_is_named_with_the_fix(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "4.57.3")
+    with pytest.raises(SystemExit) as exit:
+        load_config_and_tokenizer(DEFAULT_MODEL, 16)
+    assert str(exit.value.code) == (
+        "error: transformers 4.57.3 is installed; the chapters need 5.0 or newer: pip install -U "
+        "'transformers>=5.0' (or pip install -e . from the repository)"
+    )
+
+
 def model_error(folder) -> str:
     with pytest.raises(SystemExit) as exit:
         load_config_and_tokenizer(str(folder), 16)
