@@ -29,11 +29,14 @@ FAST_ARGS = ["--batch-size", "4", "--seq-length", "128", "--warmup-steps", "5", 
 FAST_ARGS += ["--eval-batches", "2"]
 
 
-def chapter_env(hf_home: Path, env: dict | None = None, faults: dict | None = None) -> dict:
+FAKE_WANDB = Path(__file__).parent / "fake_wandb"
+
+
+def chapter_env(hf_home: Path, env: dict | None = None, faults: dict | None = None, fake_wandb: bool = True) -> dict:
     """The environment the docs tell users to use, made hermetic: Hugging Face caches in `hf_home`, no
     Hub access, one math thread per process (two cores are shared by all ranks), and W&B disabled,
-    which saves its service process's start in every rank of every run; the tests of the W&B paths
-    ask for `OFFLINE_WANDB`.
+    which saves its service process's start in every rank of every run, and with `fake_wandb` its
+    import (tests/fake_wandb); the tests of the W&B paths ask for `OFFLINE_WANDB`.
     tests/faults/sitecustomize.py runs first in every process (it spares the garbage collector the
     imports); `faults` switches on its faults and probes with the given FAULT_* and PROBE_* variables.
     """
@@ -49,7 +52,9 @@ def chapter_env(hf_home: Path, env: dict | None = None, faults: dict | None = No
         **(env or {}),
     }
     full_env = {k: v for k, v in full_env.items() if v is not None}  # None in `env` unsets a variable
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), full_env.get("PYTHONPATH")]))
+    # Disabled, W&B does nothing: tests/fake_wandb does the same without the real one's import, unless asked not to.
+    stand_in = [str(FAKE_WANDB)] if fake_wandb and full_env.get("WANDB_MODE") == "disabled" else []
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), *stand_in, full_env.get("PYTHONPATH")]))
     full_env.update({k: str(v) for k, v in (faults or {}).items()})
     return full_env
 
