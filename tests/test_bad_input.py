@@ -162,9 +162,11 @@ def test_validation_holds_out_at_least_one_batch_and_refuses_what_cannot_train(t
 
 
 def test_a_transformers_older_than_the_floor_is_named_with_the_fix(monkeypatch):
-    import transformers
+    import common.model
 
-    monkeypatch.setattr(transformers, "__version__", "4.57.3")
+    # The module common.model imported: importing transformers.processing_utils (as building a model does)
+    # executes transformers/__init__.py again, and sys.modules["transformers"] is another module after it.
+    monkeypatch.setattr(common.model.transformers, "__version__", "4.57.3")
     with pytest.raises(SystemExit) as exit:
         load_config_and_tokenizer(DEFAULT_MODEL, 16)
     assert str(exit.value.code) == (
