@@ -78,7 +78,7 @@ def test_a_reader_runs_the_cpu_commands_in_order(file, tmp_path, hf_home, monkey
         if entry.name not in (".git", "outputs"):
             (folder / entry.name).symlink_to(entry)
     steps = tmp_path / "steps"
-    env = chapter_env(hf_home, faults={"PROBE_MAX_STEPS": CAP, "PROBE_STEPS": steps}, fake_wandb=False)  # users' wandb
+    env = chapter_env(hf_home, faults={"PROBE_MAX_STEPS": CAP, "PROBE_STEPS": steps})
     ran = 0
     for command, kind in to_run(file):
         if kind[:2] == ("tool", "plan"):  # a function of the config alone: in this process, without its imports
