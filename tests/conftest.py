@@ -9,10 +9,11 @@ from harness import PROCESS_MARK, kill_marked, new_process_mark
 # --dist loadfile hands each worker one file at a time in the order collected; heaviest first, no worker
 # is still in a long file (or a single-threaded one, test_real_layouts) while the others stand idle at
 # the end. Files not listed come first: a new file is most likely a chapter's.
-HEAVIEST_FIRST = ["test_docs_walkthrough.py", "test_04_fsdp.py", "test_docs_real_hardware.py", "test_06_fp8.py", "test_real_layouts.py", "test_02_multi_gpu.py",
-                  "test_01_single_gpu.py", "test_03_multi_node.py", "test_05_tensor_parallel.py",
-                  "test_08_pipeline_parallel.py", "test_preflight.py", "test_model_families.py", "test_common.py",
-                  "test_tools.py", "test_diagnosing.py", "test_bad_input.py", "test_gpu.py"]  # fmt: skip
+HEAVIEST_FIRST = ["test_04_fsdp.py", "test_docs_walkthrough.py", "test_01_single_gpu.py", "test_03_multi_node.py",
+                  "test_06_fp8.py", "test_docs_real_hardware.py", "test_02_multi_gpu.py", "test_real_layouts.py",
+                  "test_05_tensor_parallel.py", "test_07_context_parallel.py", "test_tools.py",
+                  "test_08_pipeline_parallel.py", "test_common.py", "test_model_families.py", "test_preflight.py",
+                  "test_diagnosing.py", "test_bad_input.py", "test_gpu.py"]  # fmt: skip
 
 
 def pytest_configure(config):

@@ -123,6 +123,16 @@ def fake_world():
     clear_dtensor_caches()
 
 
+def random_weights(model) -> None:
+    """The weights of a model built on the meta device and moved out with to_empty: random, and the rotary
+    embedding's buffers (which no parameter init makes) computed from its config."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(std=0.02)
+        for name, buffer in type(model.model.rotary_emb)(model.config).named_buffers():
+            setattr(model.model.rotary_emb, name, buffer)
+
+
 def build(chapter, config, dp, tp, shard=None, cp=1, checkpointing=None):
     """The model as the chapter builds it on rank 0 of dp x tp ranks, its local weights random; with
     `shard`, HSDP: sharded over groups of `shard` dp ranks, replicated across them; with `cp`, chapter
@@ -163,11 +173,7 @@ def build(chapter, config, dp, tp, shard=None, cp=1, checkpointing=None):
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     chapter.apply_fsdp(model, blocks, fsdp_mesh, mp_policy, OffloadPolicy())
     model.to_empty(device="cpu")
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(std=0.02)
-        for name, buffer in type(model.model.rotary_emb)(config).named_buffers():
-            setattr(model.model.rotary_emb, name, buffer)
+    random_weights(model)
     return model, blocks
 
 
@@ -464,11 +470,7 @@ def test_fp8_all_gathers_only_where_fsdp_gathers(world, shard, gathers, fake_wor
     blocks = transformer_blocks(model)
     chapter.parallelize(model, blocks, mesh, args, torch.float32, use_compile=False)
     model.to_empty(device="cpu")
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(std=0.02)
-        for name, buffer in type(model.model.rotary_emb)(model.config).named_buffers():
-            setattr(model.model.rotary_emb, name, buffer)
+    random_weights(model)
     calls = []
     pre_all_gather = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
 
@@ -535,11 +537,7 @@ def pipeline_rank(chapter, config, argv, rank_of_stage, pp_rank):
     for part in parts:
         chapter.parallelize(part, [b for b in blocks if b in set(part.modules())], mesh, args, torch.float32, False)
         part.to_empty(device="cpu")
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(std=0.02)
-        for name, buffer in type(model.model.rotary_emb)(config).named_buffers():
-            setattr(model.model.rotary_emb, name, buffer)
+    random_weights(model)
     stages = [PipelineStage(part, i, num_stages, torch.device("cpu"), group=mesh["pp"].get_group(),
                             **chapter.pipeline.shapes(args, config, torch.float32, i, num_stages))
               for i, part in zip(stage_ids, parts)]  # fmt: skip
@@ -567,7 +565,7 @@ def test_pipeline_stages_send_what_the_planner_counts(schedule, fake_world, monk
     config = config_8b_widths()
     config.num_hidden_layers, config.max_position_embeddings = 4, 16
     argv = ["--pp-size", "2", "--pp-schedule", schedule, "--batch-size", "2", "--seq-length", "16"]
-    args, model, pipeline_schedule = pipeline_rank(chapter, config, argv, lambda pp_rank: 8 * pp_rank, pp_rank=0)
+    _, _, pipeline_schedule = pipeline_rank(chapter, config, argv, lambda pp_rank: 8 * pp_rank, pp_rank=0)
     # The stages vote on whether their shapes are all known (each tells its neighbours): the fake group's
     # receives bring zeros, a "no", and the stages would then try to exchange their shapes. The vote of the
     # real run, where every stage was given its shapes: yes.
