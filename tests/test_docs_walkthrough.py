@@ -3,9 +3,9 @@
 Each README (and DIAGNOSING.md) is followed as a new user follows it: its commands for a CPU, read from
 the Markdown (tests/docs_commands.py), run as written with bash in one folder that holds the guide,
 the outputs of one command there for the next (a rerun resumes a checkpoint; a plot reads the runs
-before it). To fit the suite's time, a chapter's run stops after CAP steps through the tests' own hook
-(PROBE_MAX_STEPS: as --max-steps, so a run ends finished, as a reader's would), never by editing the
-command. Each chapter run must exit 0 (DIAGNOSING's broken command: with its one-line error), train at
+before it). To fit the suite's time, a chapter's run stops after CAP steps and evaluates on CAP batches,
+through the tests' own hook (PROBE_MAX_STEPS: as --max-steps and --eval-batches, so a run ends finished,
+as a reader's would), never by editing the command. Each chapter run must exit 0 (DIAGNOSING's broken command: with its one-line error), train at
 least one step (a command that resumes a finished run shows nothing), and print no deprecation or
 'Failed to load' line. Commands for GPUs, nodes or real models are test_docs_real_hardware.py's;
 BENCHMARKS.md's measurement recipes are checked there, and here by their flags.

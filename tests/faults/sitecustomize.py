@@ -56,7 +56,8 @@ PROBE_COMPILE_BACKEND=eager     torch.compile traces with dynamo as usual, then 
                                 as they are instead of generating kernels: what was traced, and how
                                 often, is the same, in seconds instead of minutes on a small CPU.
 PROBE_MAX_STEPS=N               a chapter's run ends after N steps, as with --max-steps N (or its own, if
-                                fewer): the docs' commands in the suite's time, never edited (test_docs_*).
+                                fewer), and evaluates on at most N batches, as with --eval-batches N: the
+                                docs' commands in the suite's time, never edited (test_docs_*).
 PROBE_STEPS=path                a line in `path` for every training step of rank 0 (an optimizer step after a
                                 backward: DCP's resume steps on zero gradients to make AdamW's state).
 PROBE_DRY_RUN=path              the process plays rank RANK of WORLD_SIZE on the fake process group, with fake
