@@ -109,17 +109,18 @@ class StopSignal:
         # Filled on the device: torch.tensor(value, device=...) would copy from the host, and wait for it.
         flag = torch.full((), float(self.name is not None), device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if device.type != "cuda":
-            return self.name or ("a signal to another rank" if flag.item() else None)
-        host = torch.empty((), pin_memory=True)
-        host.copy_(flag, non_blocking=True)
-        self._pending.append((host, torch.cuda.Event()))
-        self._pending[-1][1].record()
-        if len(self._pending) < 2:
-            return None
-        host, done = self._pending.pop(0)
-        done.synchronize()
-        return self.name or ("a signal to another rank" if host.item() else None)
+        if device.type == "cuda":
+            host = torch.empty((), pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            self._pending.append((host, torch.cuda.Event()))
+            self._pending[-1][1].record()
+            if len(self._pending) < 2:
+                return None
+            flag, done = self._pending.pop(0)
+            done.synchronize()
+        # The reduced flag alone decides: a signal that lands after this rank's flag was sent (self.name set
+        # since) is every rank's at the next step. Stopping on it now would stop this rank alone.
+        return (self.name or "a signal to another rank") if flag.item() else None
 
 
 def no_forward_buffer_sync() -> dict:

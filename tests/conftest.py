@@ -1,6 +1,10 @@
+import faulthandler
 import os
 import shutil
+import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 from harness import PROCESS_MARK, kill_marked, new_process_mark
@@ -17,6 +21,8 @@ HEAVIEST_FIRST = ["test_04_fsdp.py", "test_docs_walkthrough.py", "test_01_single
 
 
 def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # pytest's first process: its pytest-xdist workers inherit the folder
+        os.environ[STUCK] = tempfile.mkdtemp(prefix="stuck-tests-")
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's default: the files with most tests first
         config.option.loadscopereorder = False
     # One math thread in the tests' own processes too, as chapter_env gives the runs they launch: on two
@@ -30,6 +36,40 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
     order = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, -1))  # stable: a file's tests keep their order
+
+
+# A test that runs longer than this is stuck (the longest, the docs' dry runs with their setup, takes
+# about 5 minutes on 2 busy cores). PROBE_TEST_TIME_LIMIT sets another (for the watchdog's own test).
+TEST_TIME_LIMIT = float(os.environ.get("PROBE_TEST_TIME_LIMIT", 1200))
+STUCK = "PROBE_STUCK_TESTS"  # the folder where a stuck test's process writes its stacks, made by pytest's first process
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A stuck test must not stall the suite: whatever waits without a time limit of its own (a lock, a
+    collective, a call in this process), once the test (setup, call and teardown) outlives
+    TEST_TIME_LIMIT, every thread's stack is written and the process exits, which pytest-xdist reports
+    as that test's failure ("worker crashed") and replaces the worker; the other tests go on. The
+    summary at the end shows the stacks (pytest_terminal_summary)."""
+    with open(os.path.join(os.environ[STUCK], f"{os.getpid()}.txt"), "w") as stacks:
+        stacks.write(f"{item.nodeid} still ran after {TEST_TIME_LIMIT:.0f} s:\n")
+        stacks.flush()
+        faulthandler.dump_traceback_later(TEST_TIME_LIMIT, exit=True, file=stacks)
+        yield
+        faulthandler.cancel_dump_traceback_later()
+        stacks.truncate(0)
+
+
+def pytest_terminal_summary(terminalreporter):
+    for path in sorted(Path(os.environ[STUCK]).glob("*.txt")):
+        if text := path.read_text():
+            terminalreporter.write_sep("=", "stuck test")
+            terminalreporter.write(text)
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ.pop(STUCK), ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -342,3 +342,31 @@ def test_the_host_waits_for_the_device_only_at_logging_steps(tmp_path, hf_home, 
     between_logs = {step: events - expected for step, events in steps.items() if step % 4}
     assert between_logs == dict.fromkeys(between_logs, set()), between_logs
     assert f"read {chapter}/train_llm.py main" in steps[4]  # the log line reads the loss: the probe sees it
+
+
+def test_a_stop_signal_is_every_ranks_at_the_same_step(monkeypatch):
+    """A SIGTERM that lands after this rank's "any signal?" flag went into the step's all-reduce is not
+    in the answer the other ranks got: this rank must stop with them, at the next step, not alone now
+    (alone, it waits for them in its checkpoint's barrier while they wait in the next step's all-reduce,
+    until torchrun kills the job 30 s later with no checkpoint)."""
+    import signal
+
+    from common import StopSignal, distributed, metrics
+
+    monkeypatch.setattr(metrics, "_wandb_calls", True)  # the handler turns wandb's calls off: restored after
+
+    def all_reduce_then_signal(flag, op=None):  # no other rank had one; this one's arrives just after
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop = StopSignal()
+        with monkeypatch.context() as patch:
+            patch.setattr(distributed.dist, "all_reduce", all_reduce_then_signal)
+            assert stop.agreed(torch.device("cpu")) is None  # the step's answer, every rank's
+        assert stop.name == "SIGTERM"
+        monkeypatch.setattr(distributed.dist, "all_reduce", lambda flag, op=None: None)
+        assert stop.agreed(torch.device("cpu")) == "SIGTERM"  # the next step's, every rank's too
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
