@@ -95,8 +95,9 @@ def _pack(data, split, dataset_name, tokenizer, seq_length):
         raise SystemExit(f"error: {flag}: its 'text' column holds {data.features['text']}, not text")
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # A worker process costs about a second to start: only big datasets are worth several.
-    num_proc = max(1, min(cores, len(data) // 50_000)) if cores else 1
+    # A worker process costs about a second to start: only big datasets are worth several. For none, None:
+    # datasets maps num_proc=1 in a forked pool of one (and a manager process), waiting on it without a limit.
+    num_proc = min(cores or 1, len(data) // 50_000)
 
     def tokenize_and_pack(batch, indices):
         for text, index in zip(batch["text"], indices):
@@ -120,7 +121,7 @@ def _pack(data, split, dataset_name, tokenizer, seq_length):
             with_indices=True,
             remove_columns=data.column_names,
             features=datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"), length=seq_length)}),
-            num_proc=num_proc,
+            num_proc=num_proc if num_proc > 1 else None,
             desc=f"Tokenizing and packing {split} into rows of {seq_length} tokens",
         )
     except ValueError as err:

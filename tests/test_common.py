@@ -32,6 +32,24 @@ def test_packing_keeps_every_token_in_order(tmp_path, monkeypatch):
     assert rows["labels"].equal(rows["input_ids"])  # the model shifts labels itself
 
 
+def test_a_small_dataset_is_packed_in_this_process(tmp_path, monkeypatch):
+    """No process pool under 50,000 documents: datasets runs num_proc=1 in a forked pool of one (and a
+    manager process), which every rank of every run paid for, and which, forked from a process with
+    threads, can deadlock and be waited on forever (a test of this suite did, in CI)."""
+    import multiprocess.pool
+    from transformers import AutoTokenizer
+
+    def no_pool(*args, **kwargs):
+        raise AssertionError("load_and_pack started a process pool")
+
+    monkeypatch.setattr(multiprocess.pool.Pool, "__init__", no_pool)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(99)))
+    train, val = load_and_pack(str(tmp_path / "data"), AutoTokenizer.from_pretrained(DEFAULT_MODEL), 16, 0.1)
+    assert len(train) > 0 and len(val) > 0
+
+
 def test_packed_rows_take_4_bytes_per_token_on_disk(tmp_path, monkeypatch):
     """The cache holds one column of int32 rows of fixed length and nothing else (no labels, no
     tokenized documents): 4 bytes per token, plus the Arrow file's header. It was 12, with the
