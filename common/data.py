@@ -95,8 +95,8 @@ def _pack(data, split, dataset_name, tokenizer, seq_length):
         raise SystemExit(f"error: {flag}: its 'text' column holds {data.features['text']}, not text")
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # A worker process costs about a second to start: only big datasets are worth several. For none, None:
-    # datasets maps num_proc=1 in a forked pool of one (and a manager process), waiting on it without a limit.
+    # A worker process costs about a second to start: only big datasets are worth several. Otherwise this
+    # process maps (None): datasets runs num_proc=1 in a forked pool of one and a manager process.
     num_proc = min(cores or 1, len(data) // 50_000)
 
     def tokenize_and_pack(batch, indices):

@@ -1,7 +1,6 @@
 import faulthandler
 import os
 import shutil
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -40,7 +39,7 @@ def pytest_collection_modifyitems(items):
 
 # A test that runs longer than this is stuck (the longest, the docs' dry runs with their setup, takes
 # about 5 minutes on 2 busy cores). PROBE_TEST_TIME_LIMIT sets another (for the watchdog's own test).
-TEST_TIME_LIMIT = float(os.environ.get("PROBE_TEST_TIME_LIMIT", 1200))
+TEST_TIME_LIMIT = float(os.environ.get("PROBE_TEST_TIME_LIMIT", "1200"))
 STUCK = "PROBE_STUCK_TESTS"  # the folder where a stuck test's process writes its stacks, made by pytest's first process
 
 
