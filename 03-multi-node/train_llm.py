@@ -241,7 +241,7 @@ def main():
         logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
     # DDP's reducer holds the process group: freed after destroy_process_group, it can hang at exit (pytorch#75097).
     del model
-    dist.destroy_process_group()
+    common.destroy_process_group_and_exit()  # gloo's threads would outlive it: see its docstring
 
 
 def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device):

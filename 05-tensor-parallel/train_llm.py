@@ -265,7 +265,7 @@ def main():
     else:
         wandb.finish()
         logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
-    dist.destroy_process_group()
+    common.destroy_process_group_and_exit()  # gloo's threads would outlive it: see its docstring
 
 
 def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device):

@@ -13,7 +13,8 @@ from common.args import base_parser, non_negative_int, positive_float, positive_
 from common.checkpoints import AsyncCheckpoints, check_resume, check_save_dir, checkpoint_dir, latest_checkpoint
 from common.checkpoints import loading, publish_checkpoint, rng_state, saving, set_rng_state
 from common.data import DEFAULT_DATASET, load_and_pack
-from common.distributed import StopSignal, no_forward_buffer_sync, rank0_first, record
+from common.distributed import StopSignal, destroy_process_group_and_exit, no_forward_buffer_sync
+from common.distributed import rank0_first, record
 from common.metrics import NonFiniteGuard, PhaseTimers, flops_per_token, log_metrics, memory_stats, peak_bf16_flops
 from common.metrics import setup_logging, shard_memory, wandb_mode
 from common.model import DEFAULT_MODEL, adamw_param_groups, checkpoint_blocks, load_config_and_tokenizer

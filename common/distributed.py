@@ -1,5 +1,6 @@
 """What a job of many processes needs beyond torch.distributed: one rank first (downloads, data),
-its errors in torchrun's failure summary, and a stop signal that every rank acts on at the same step."""
+its errors in torchrun's failure summary, a stop signal that every rank acts on at the same step, and
+an end that no thread of gloo's can turn into a crash."""
 
 import functools
 import inspect
@@ -7,6 +8,7 @@ import itertools
 import logging
 import os
 import signal
+import sys
 import time
 from contextlib import contextmanager
 
@@ -129,3 +131,23 @@ def no_forward_buffer_sync() -> dict:
     (which lack the new one), is deprecated."""
     new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     return {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
+
+
+def destroy_process_group_and_exit() -> None:
+    """The end of a run on this rank, done or stopped: destroy_process_group, then the process exits 0
+    here, everything written, without the interpreter's shutdown.
+
+    Why not return: gloo's worker threads (CPU runs, and --cpu-offload's CPU collectives) live as long as
+    their process group, and torch keeps groups alive past destroy_process_group (each DeviceMesh stays in
+    DTensor's caches). A worker lets go of a collective's tensors just after the collective completes,
+    and letting go of a tensor that Python also knows takes the GIL. A worker that gets there once the
+    interpreter has begun to shut down (a descheduled thread on a loaded machine) is ended by Python
+    before 3.14 from inside a C++ destructor: "terminate called without an active exception", SIGABRT,
+    and torchrun reports as failed a job that trained, saved and exported (DIAGNOSING.md).
+    A failed rank still exits through Python's shutdown, which waits for an asynchronous save in flight
+    (common.checkpoints); its error is in torchrun's summary before any such abort (`record`)."""
+    dist.destroy_process_group()
+    logging.shutdown()  # flushes the log handlers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -134,12 +134,14 @@ def _shared_run(tmp_path_factory, name: str, run):
 @pytest.fixture(scope="session")
 def ddp_reference(tmp_path_factory, hf_home):
     """Chapter 02 on 2 ranks for 12 steps of FAST_ARGS, logging to W&B offline: the reference run that
-    chapter 02 compares with chapter 01, and chapters 03 to 06 with chapter 02."""
-    from harness import FAST_ARGS, OFFLINE_WANDB, run_chapter
+    chapter 02 compares with chapter 01, and chapters 03 to 06 with chapter 02. A late release by gloo's
+    worker at its exit (harness.late_release)."""
+    from harness import FAST_ARGS, OFFLINE_WANDB, late_release, run_chapter
 
     def run(save_dir):
         args = [*FAST_ARGS, "--max-steps", "12", "--experiment-name", "ddp", "--save-dir", str(save_dir)]
-        proc = run_chapter("02-multi-gpu", *args, nproc=2, hf_home=hf_home, env=OFFLINE_WANDB)
+        faults = late_release(save_dir)
+        proc = run_chapter("02-multi-gpu", *args, nproc=2, hf_home=hf_home, env=OFFLINE_WANDB, faults=faults)
         (save_dir / "ddp.stderr").write_text(proc.stderr)  # beside the run: what it warned (none: no straggler)
 
     return _shared_run(tmp_path_factory, "ddp_reference", run) / "ddp"
@@ -181,9 +183,10 @@ def tied_bf16_fsdp_reference(tmp_path_factory):
     `hf`). Chapter 04's export test reads it, and chapter 05's tied-embeddings test compares with it.
     The same run is chapter 04's test of a data preparation that outlasts the collective timeout:
     with its own empty cache, rank 0 prepares the data 20 s more slowly than it can, under
-    --dist-timeout 0.25 (15 s)."""
+    --dist-timeout 0.25 (15 s), and the run in which a rank once aborted after "Done" (a late release
+    by gloo's worker at exit: harness.late_release makes it certain)."""
     import torch
-    from harness import FAST_ARGS, REPO, run_chapter
+    from harness import FAST_ARGS, REPO, late_release, run_chapter
     from transformers import AutoConfig
 
     def run(save_dir):
@@ -194,6 +197,7 @@ def tied_bf16_fsdp_reference(tmp_path_factory):
         config.save_pretrained(model_dir)
         args = [*FAST_ARGS, "--model-name", str(model_dir), "--max-steps", "3", "--export-hf", str(save_dir / "hf")]
         args += ["--dist-timeout", "0.25", "--save-dir", str(save_dir)]
-        run_chapter("04-fsdp", *args, nproc=2, hf_home=save_dir / "hf_home", faults={"FAULT_SLOW_DATA": 20})
+        faults = {"FAULT_SLOW_DATA": 20, **late_release(save_dir)}
+        run_chapter("04-fsdp", *args, nproc=2, hf_home=save_dir / "hf_home", faults=faults)
 
     return _shared_run(tmp_path_factory, "tied_bf16_fsdp_reference", run)

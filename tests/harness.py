@@ -59,6 +59,18 @@ def chapter_env(hf_home: Path, env: dict | None = None, faults: dict | None = No
     return full_env
 
 
+def late_release(save_dir: Path) -> dict:
+    """The fault that made a finished run abort at exit, once in a while (tests/faults/faults.py), made
+    certain: a run launched with it exits 0 only if it ends without the interpreter's shutdown."""
+    return {"FAULT_LATE_RELEASE_AT_EXIT": save_dir}
+
+
+def assert_released_late(save_dir: Path) -> None:
+    """The run launched with `late_release` exited 0 (run_chapter checks it), and its fault struck: rank
+    1's tensor was let go of by gloo's worker thread after the main thread had ended the run."""
+    assert (save_dir / "late-release-rank-1.txt").read_text() == "gloo worker"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

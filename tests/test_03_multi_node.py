@@ -18,8 +18,10 @@ from harness import (
     FAST_ARGS,
     OFFLINE_WANDB,
     REPO,
+    assert_released_late,
     chapter_env,
     free_port,
+    late_release,
     losses,
     python_stacks,
     run_chapter,
@@ -163,7 +165,7 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path, hf_home, one
         nproc=2,
         torchrun_args=("--max-restarts", "1"),
         env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},  # see launch.sbatch
-        faults={"FAULT_KILL_AT_STEP": 7, "FAULT_RANK": 1},
+        faults={"FAULT_KILL_AT_STEP": 7, "FAULT_RANK": 1, **late_release(tmp_path)},
         hf_home=hf_home,
     )
     # torchrun names the failure it saw first: rank 1's SIGKILL (-9). Rank 0's collective failed as
@@ -173,6 +175,7 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path, hf_home, one
     assert "Workers restarted 1 time(s): resuming" in proc.stderr
     assert "Resumed from" in proc.stderr and "step-00000004 at step 4" in proc.stderr
     assert losses(tmp_path / CHAPTER) == one_node_losses
+    assert_released_late(tmp_path)  # the restarted workers' exit: 0, whatever gloo let go of late
 
 
 def test_missing_node_fails_at_the_rendezvous_timeout(tmp_path, hf_home):

@@ -9,6 +9,7 @@ from harness import (
     UNIFORM_LOSS,
     assert_names_no_straggler,
     assert_names_rank_1,
+    assert_released_late,
     assert_state_as_planned,
     compile_counts,
     compiled_graphs,
@@ -331,3 +332,9 @@ def test_data_preparation_may_outlast_the_collective_timeout(tied_bf16_fsdp_refe
     (In a collective, gloo would have timed out; on GPUs, NCCL's watchdog would have killed the job.)
     The run is tests/conftest.py's tied_bf16_fsdp_reference."""
     assert len(losses(tied_bf16_fsdp_reference / CHAPTER)) == 3
+
+
+def test_the_run_exits_0_when_gloo_lets_go_of_a_tensor_late(tied_bf16_fsdp_reference):
+    """The late release that once made a finished run abort at exit, made certain (harness.late_release):
+    the chapter ends without the interpreter's shutdown, and the run exited 0."""
+    assert_released_late(tied_bf16_fsdp_reference)

@@ -4,9 +4,11 @@ from harness import (
     FAST_ARGS,
     REPO,
     UNIFORM_LOSS,
+    assert_released_late,
     assert_state_as_planned,
     compiled_graphs,
     last_lines,
+    late_release,
     losses,
     read_metrics,
     rewind,
@@ -37,10 +39,15 @@ def assert_matches(run, reference):
 def tp_run(tmp_path_factory, hf_home):
     """Tensor parallel alone: one replica of 2 tp ranks, trained on the reference's global batch of 8 rows."""
     save_dir = tmp_path_factory.mktemp("tp")
-    run_chapter(
-        CHAPTER, *ARGS, "--tp-size", "2", "--batch-size", "8", "--save-dir", str(save_dir), nproc=2, hf_home=hf_home
-    )
+    args = [*ARGS, "--tp-size", "2", "--batch-size", "8", "--save-dir", str(save_dir)]
+    run_chapter(CHAPTER, *args, nproc=2, hf_home=hf_home, faults=late_release(save_dir))
     return save_dir / CHAPTER
+
+
+def test_the_run_exits_0_when_gloo_lets_go_of_a_tensor_late(tp_run):
+    """The late release that once made a finished run abort at exit, made certain (harness.late_release):
+    the chapter ends without the interpreter's shutdown, and the run exited 0."""
+    assert_released_late(tp_run.parent)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ import json
 
 import pytest
 import torch
-from harness import FAST_ARGS, REPO, last_lines, losses, read_metrics, rewind, run_chapter
+from harness import FAST_ARGS, REPO, assert_released_late, last_lines, late_release, losses, read_metrics, rewind
+from harness import run_chapter
 from model_families import config
 
 CHAPTER = "08-pipeline-parallel"
@@ -74,8 +75,14 @@ def pp_run(tmp_path_factory, hf_home):
     args += ["--save-dir", str(save_dir), "--export-hf", str(save_dir / "hf")]
     faults = {"PROBE_COMPILE_COUNTS": probe, "PROBE_COMPILE_BACKEND": "eager"}
     faults["PROBE_STATE_BYTES"] = save_dir / "state.json"
-    proc = run_chapter(CHAPTER, *args, nproc=2, hf_home=hf_home, faults=faults)
+    proc = run_chapter(CHAPTER, *args, nproc=2, hf_home=hf_home, faults={**faults, **late_release(save_dir)})
     return save_dir, proc.stderr
+
+
+def test_the_run_exits_0_when_gloo_lets_go_of_a_tensor_late(pp_run):
+    """The late release that once made a finished run abort at exit, made certain (harness.late_release):
+    the chapter ends without the interpreter's shutdown, and the run exited 0."""
+    assert_released_late(pp_run[0])
 
 
 def test_pp_2_with_1f1b_equals_fsdp_compiled_with_no_recompiles(pp_run, fsdp_run, tmp_path):

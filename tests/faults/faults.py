@@ -89,6 +89,54 @@ def slow_shard_writes(seconds: float) -> None:
     filesystem._write_files_from_queue = slow_write_files
 
 
+def late_release_at_exit(folder: str) -> None:
+    """A gloo worker lets go of a collective's tensor after the rank's main thread has ended the run:
+    what a descheduled worker on a loaded machine does by chance (issue: SIGABRT after "Done"), made
+    certain. At the run's destroy_process_group, every rank all-reduces a tensor of its own, over a group
+    that outlives the call (as the groups of a DeviceMesh in DTensor's caches do), and keeps no reference
+    to it: the worker lets go of it last, and Python calls back (weakref) in that thread. Rank 1's worker
+    holds the work before rank 0 joins it, so that its main thread has dropped it first. The callback
+    says in `folder` which thread ran it, then sleeps, with the GIL released, until the interpreter shuts
+    down (at most 20 s): its next take of the GIL then aborts the process, unless the run ends without
+    Python's shutdown."""
+    import sys
+    import threading
+    import time
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    destroy = dist.destroy_process_group
+    held = []
+
+    def destroy_after_a_late_release(group=None):
+        if group is not None or held:
+            return destroy(group)
+        held.append(dist.new_group(backend="gloo"))
+        released = threading.Event()
+
+        def in_the_releasing_thread(_):
+            main = threading.current_thread() is threading.main_thread()
+            Path(folder, f"late-release-rank-{RANK}.txt").write_text("main thread" if main else "gloo worker")
+            released.set()
+            deadline = time.monotonic() + 20
+            while not main and not sys.is_finalizing() and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        tensor = torch.ones(1)
+        held.append(weakref.ref(tensor, in_the_releasing_thread))  # kept: a dead reference calls nothing
+        if RANK == "0":
+            time.sleep(0.2)
+        dist.all_reduce(tensor, group=held[0], async_op=True)  # no reference kept to the work either
+        del tensor
+        assert released.wait(60), "the late-released tensor was never released"
+        dist.barrier()  # every rank's all-reduce has ended: none exits while a peer still sends
+        return destroy()
+
+    dist.destroy_process_group = destroy_after_a_late_release
+
+
 def strike_at_step(fault: str, fault_step: int) -> None:
     """One of STEP_FAULTS, through torch's global optimizer step hooks (registered after the probes')."""
     import torch
@@ -215,6 +263,8 @@ if FIRST_ATTEMPT:
         strike_at_step(step_fault, int(os.environ[step_fault]))
     if "FAULT_FP8_SCALE" in os.environ:
         wrong_fp8_scales(float(os.environ["FAULT_FP8_SCALE"]))
+if "FAULT_LATE_RELEASE_AT_EXIT" in os.environ:
+    late_release_at_exit(os.environ["FAULT_LATE_RELEASE_AT_EXIT"])
 if "FAULT_SLOW_DATA" in os.environ and RANK == "0":
     slow_data(float(os.environ["FAULT_SLOW_DATA"]))
 if "FAULT_SLOW_SHARD_WRITE" in os.environ and RANK == os.environ.get("FAULT_RANK", "0"):

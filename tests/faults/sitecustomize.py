@@ -16,6 +16,10 @@ FAULT_SIGNAL_AT_STEP=N          in the N-th optimizer step of rank FAULT_RANK, s
                                 TERM) to this process, or with FAULT_SIGNAL_PARENT=1 to its parent
                                 (torchrun): as a scheduler would, at a step boundary that tests can name.
                                 One *_AT_STEP fault at a time: with several set, the first of these four.
+FAULT_LATE_RELEASE_AT_EXIT=dir at the run's destroy_process_group, a gloo worker lets go of a collective's tensor
+                                after the main thread has ended the run, and waits in Python until the interpreter
+                                shuts down (faults.py): a process that exits through Python's shutdown aborts.
+                                Each rank writes dir/late-release-rank-R.txt: the thread that let go of it.
 FAULT_SLOW_DATA=S               rank 0 prepares the data (load_and_pack) S seconds more slowly.
 FAULT_SLOW_MATMUL=S             every torch.matmul of rank FAULT_RANK takes S seconds more: a throttled GPU, as
                                 python -m tools.preflight measures one.
