@@ -2,6 +2,7 @@
 its errors in torchrun's failure summary, a stop signal that every rank acts on at the same step, and
 an end that no thread of gloo's can turn into a crash."""
 
+import atexit
 import functools
 import inspect
 import itertools
@@ -134,8 +135,8 @@ def no_forward_buffer_sync() -> dict:
 
 
 def destroy_process_group_and_exit() -> None:
-    """The end of a run on this rank, done or stopped: destroy_process_group, then the process exits 0
-    here, everything written, without the interpreter's shutdown.
+    """The end of a run on this rank, done or stopped: destroy_process_group, the functions registered
+    to run at exit, then the process exits 0 here, everything written, without the interpreter's shutdown.
 
     Why not return: gloo's worker threads (CPU runs, and --cpu-offload's CPU collectives) live as long as
     their process group, and torch keeps groups alive past destroy_process_group (each DeviceMesh stays in
@@ -147,7 +148,7 @@ def destroy_process_group_and_exit() -> None:
     A failed rank still exits through Python's shutdown, which waits for an asynchronous save in flight
     (common.checkpoints); its error is in torchrun's summary before any such abort (`record`)."""
     dist.destroy_process_group()
-    logging.shutdown()  # flushes the log handlers
+    atexit._run_exitfuncs()  # what Python runs at exit before its shutdown: wandb's, logging's flush
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
