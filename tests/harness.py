@@ -1,12 +1,15 @@
 """Runs a chapter's train_llm.py as its users do, in a subprocess, and reads back what it wrote."""
 
+import atexit
 import json
 import math
 import os
+import select
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -91,16 +94,35 @@ def run_chapter(
     faults: dict | None = None,
     check: bool = True,
     timeout: float = 300,
+    launcher: str | None = None,
 ) -> subprocess.CompletedProcess:
-    """Runs `chapter`/train_llm.py with `python`, or under `torchrun --standalone` when `nproc` is given."""
+    """Runs `chapter`/train_llm.py with `python`, or under `torchrun --standalone` when `nproc` is given.
+
+    A run expected to succeed (`check`) starts its processes from a fork server (tests/rank_server.py)
+    that imported the chapters' libraries once: each rank is the same script with the same arguments,
+    folder and environment, torchrun's for its workers included, joined through a store that this
+    process holds as torchrun's agent would. What torchrun itself does (its failure summary, elastic
+    restarts, signals to the launcher) is proved with real torchrun: a run that may fail, a run with
+    `torchrun_args` or a signal to its parent, and `launcher="torchrun"`."""
     script = str(REPO / chapter / "train_llm.py")
+    full_env = chapter_env(hf_home, env, faults)
     if nproc is None:
         cmd = [sys.executable, script, *args]
     else:
         cmd = [*torchrun("--standalone", f"--nproc-per-node={nproc}", *torchrun_args), script, *args]
-    popen = subprocess.Popen(
-        cmd, env=chapter_env(hf_home, env, faults), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    forked = launcher != "torchrun" and check and not torchrun_args and "FAULT_SIGNAL_PARENT" not in full_env
+    if forked:
+        returncode, stdout, stderr = rank_servers.run(script, list(args), nproc, full_env, timeout, " ".join(cmd))
+        proc = subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+    else:
+        proc = _run_process(cmd, full_env, timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def _run_process(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    popen = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = popen.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -112,10 +134,112 @@ def run_chapter(
     finally:
         if popen.poll() is None:  # the test was interrupted (once reaped, the pid may be another's)
             kill_all(popen.pid)
-    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-5000:]}")
-    return proc
+    return subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
+
+
+class RankServers:
+    """This process's fork servers (tests/rank_server.py), one per environment the libraries read as they
+    are imported (Hugging Face's caches and switches, torch's and the threads' settings): a run whose
+    environment differs there gets a server of its own. At most MAX of them (about 0.6 GB each); they
+    end with this process (their stdin closes), and their ranks with them."""
+
+    MAX = 2
+    IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TORCH", "PYTORCH", "OMP_", "MKL_",
+                   "TOKENIZERS", "XDG_", "CUDA", "ARROW", "PYTHONHASHSEED")  # fmt: skip
+
+    def __init__(self):
+        self.servers: dict[tuple, subprocess.Popen] = {}
+
+    def server(self, env: dict) -> subprocess.Popen:
+        key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(self.IMPORT_TIME)))
+        server = self.servers.pop(key, None)
+        if server is None or server.poll() is not None:
+            while len(self.servers) >= self.MAX:
+                self.close(self.servers.pop(next(iter(self.servers))))
+            server_env = {k: v for k, v in env.items() if k not in (PROCESS_MARK, "PYTHONPATH")}
+            server_env["JE_ARROW_MALLOC_CONF"] = "background_thread:false"  # pyarrow's thread: none before a fork
+            script = str(Path(__file__).with_name("rank_server.py"))
+            log = tempfile.NamedTemporaryFile(prefix="rank-server-", suffix=".log", delete=False)  # noqa: SIM115
+            server = subprocess.Popen([sys.executable, script], env=server_env, cwd=REPO, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=log, text=True)  # fmt: skip
+            server.log = Path(log.name)  # what its imports printed, and why it ended if it did
+        self.servers[key] = server  # the most recent last
+        return server
+
+    @staticmethod
+    def close(server: subprocess.Popen) -> None:
+        server.stdin.close()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        server.log.unlink(missing_ok=True)
+
+    def run(self, script: str, args: list[str], nproc: int | None, env: dict, timeout: float, command: str):
+        """`command` as its ranks forked from a server: (exit status, stdout, stderr)."""
+        import torch.distributed as dist
+
+        server = self.server(env)
+        with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
+            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            store = None
+            if nproc is None:
+                ranks = [env]
+            else:  # what torchrun --standalone gives its workers, its agent's store this process's
+                store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+                workers = [torchrun_worker_env(rank, nproc, store.port, Path(tmp)) for rank in range(nproc)]
+                ranks = [{"OMP_NUM_THREADS": "1", **env, **worker} for worker in workers]  # torchrun's default
+            jobs = [{"script": script, "argv": args, "env": rank_env, "cwd": str(REPO)} for rank_env in ranks]
+            server.stdin.write(json.dumps({"ranks": jobs, "stdout": str(out), "stderr": str(err)}) + "\n")
+            server.stdin.flush()
+            pids = self.reply(server, 120)["pids"]
+            codes = None
+            try:
+                codes = self.reply(server, timeout)["codes"]
+            except TimeoutError:
+                stacks = "\n".join(python_stacks(pid) for pid in pids)
+                raise AssertionError(f"{command} still ran after {timeout} s:\n{err.read_text()[-8000:]}\n{stacks}")
+            finally:
+                if codes is None:  # a hang, or the test was interrupted: its ranks go with it
+                    for pid in pids:
+                        kill_all(pid)
+                    self.reply(server, 60)
+                del store
+            returncode = next((code for code in codes if code != 0), 0)
+            return returncode, out.read_text() if out.exists() else "", err.read_text() if err.exists() else ""
+
+    @staticmethod
+    def reply(server: subprocess.Popen, timeout: float) -> dict:
+        """The server's next line, read from its pipe itself: a buffered reader could hold the next one
+        where select() does not see it."""
+        deadline = time.monotonic() + timeout
+        pending = server.__dict__.setdefault("pending", b"")
+        while b"\n" not in pending:
+            ready, _, _ = select.select([server.stdout], [], [], max(0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError
+            chunk = os.read(server.stdout.fileno(), 65536)
+            if not chunk:
+                raise AssertionError(f"the rank server ended ({server.wait()}):\n{server.log.read_text()[-5000:]}")
+            pending += chunk
+        line, server.pending = pending.split(b"\n", 1)
+        return json.loads(line)
+
+
+def torchrun_worker_env(rank: int, nproc: int, port: int, folder: Path) -> dict:
+    """The variables torchrun --standalone --nproc-per-node `nproc` sets for its worker `rank` (torch 2.13)."""
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "localhost", "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": folder.name,
+        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_ERROR_FILE": str(folder / f"error-{rank}.json"),
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    }  # fmt: skip
+
+
+rank_servers = RankServers()
+atexit.register(lambda: [rank_servers.close(server) for server in rank_servers.servers.values()])
 
 
 def kill_all(pid: int) -> None:

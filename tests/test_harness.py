@@ -1,5 +1,7 @@
-"""The suite's own machinery: a stuck test fails with its stacks, and the suite goes on (conftest.py)."""
+"""The suite's own machinery: a stuck test fails with its stacks, and the suite goes on (conftest.py); the fork
+server starts ranks as torchrun does, and kills and reports a hung one (harness.py, rank_server.py)."""
 
+import json
 import subprocess
 import sys
 
@@ -30,3 +32,55 @@ def test_a_stuck_test_fails_with_its_stacks_and_the_others_run(tmp_path):
     stuck = proc.stdout.split("stuck test")[1]
     assert "test_stuck.py::test_waits_forever still ran after 10 s" in stuck
     assert 'test_stuck.py", line 6 in test_waits_forever' in stuck, stuck[:3000]
+
+
+ENV_DUMP = """
+import json, os, sys
+with open(os.path.join(sys.argv[1], f"env-{os.environ['RANK']}.json"), "w") as f:
+    json.dump({"env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(), "main": __name__,
+               "unbuffered": not hasattr(sys.stdout, "buffer") or sys.stdout.write_through}, f)
+"""
+
+
+def test_a_forked_rank_gets_what_torchrun_gives_its_worker(tmp_path):
+    """The fork server's ranks (harness.run_chapter, tests/rank_server.py) have the variables torchrun
+    sets for its workers, each with the same value but the run's own port, id and error file; the
+    script's arguments; the folder; `__main__`; unbuffered output (python -u)."""
+    from harness import chapter_env, rank_servers, torchrun
+
+    script = tmp_path / "env_dump.py"
+    script.write_text(ENV_DUMP)
+    env = chapter_env(tmp_path / "hf_home")
+    (tmp_path / "torchrun").mkdir()
+    (tmp_path / "forked").mkdir()
+    command = [*torchrun("--standalone", "--nproc-per-node=2"), str(script), str(tmp_path / "torchrun")]
+    subprocess.run(command, env=env, cwd=REPO, check=True, capture_output=True, timeout=120)
+    code, _, stderr = rank_servers.run(str(script), [str(tmp_path / "forked")], 2, env, 120, "env_dump")
+    assert code == 0, stderr
+    for rank in range(2):
+        launched, forked = (json.loads((tmp_path / way / f"env-{rank}.json").read_text()) for way in ["torchrun", "forked"])
+        assert forked["env"].keys() == launched["env"].keys()
+        per_run = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+        assert {k: v for k, v in forked["env"].items() if k not in per_run} == {
+            k: v for k, v in launched["env"].items() if k not in per_run
+        }
+        assert forked["argv"][1:] == [str(tmp_path / "forked")] and forked["cwd"] == launched["cwd"]
+        assert forked["main"] == launched["main"] == "__main__"
+        assert forked["unbuffered"] and launched["unbuffered"]
+
+
+def test_a_hung_forked_rank_is_killed_and_reported(tmp_path, hf_home):
+    """A run whose forked ranks hang (rank 0 prepares its data for 10 minutes, rank 1 waits for it) fails
+    at its time limit with what it printed and where each rank waits, and leaves no rank running."""
+    import psutil
+    import pytest
+    from harness import run_chapter, rank_servers
+
+    args = ["--max-steps", "1", "--save-dir", str(tmp_path)]
+    with pytest.raises(AssertionError) as failure:
+        run_chapter("02-multi-gpu", *args, nproc=2, hf_home=hf_home, faults={"FAULT_SLOW_DATA": 600}, timeout=20)
+    message = str(failure.value)
+    assert "still ran after 20 s" in message and "02-multi-gpu/train_llm.py" in message
+    assert "slow_load_and_pack" in message and "rank0_first" in message, message[-5000:]  # py-spy's stacks
+    for server in rank_servers.servers.values():
+        assert psutil.Process(server.pid).children() == []
