@@ -111,7 +111,8 @@ def become(job: dict) -> None:
     # python -u: unbuffered, as torchrun starts its workers
     sys.stdin = sys.__stdin__ = open(0, closefd=False)  # noqa: SIM115
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
+    stderr = io.FileIO(2, "w", closefd=False)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(stderr, write_through=True, errors="backslashreplace")
     os.chdir(job["cwd"])
     os.environ.clear()
     os.environ.update(job["env"])
