@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from harness import PROCESS_MARK, kill_marked, new_process_mark
 
-# The files whose tests cost the most CPU, most first (measured: see README, Testing). pytest-xdist's
+# The files whose tests cost the most CPU, most first (measured: BENCHMARKS.md, The test suite). pytest-xdist's
 # --dist loadfile hands each worker one file at a time in the order collected; heaviest first, no worker
 # is still in a long file (or a single-threaded one, test_real_layouts) while the others stand idle at
 # the end. Files not listed come first: a new file is most likely a chapter's.

@@ -57,8 +57,9 @@ def test_a_forked_rank_gets_what_torchrun_gives_its_worker(tmp_path):
     subprocess.run(command, env=env, cwd=REPO, check=True, capture_output=True, timeout=120)
     code, _, stderr = rank_servers.run(str(script), [str(tmp_path / "forked")], 2, env, 120, "env_dump")
     assert code == 0, stderr
+    WAYS = ("torchrun", "forked")  # noqa: N806
     for rank in range(2):
-        launched, forked = (json.loads((tmp_path / way / f"env-{rank}.json").read_text()) for way in ("torchrun", "forked"))
+        launched, forked = (json.loads((tmp_path / way / f"env-{rank}.json").read_text()) for way in WAYS)
         assert forked["env"].keys() == launched["env"].keys()
         per_run = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
         assert {k: v for k, v in forked["env"].items() if k not in per_run} == {
