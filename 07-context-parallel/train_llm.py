@@ -372,11 +372,14 @@ def check_cp_model(model, args):
     config, name = model.config, type(model).__name__
     other_layers = set(getattr(config, "layer_types", None) or []) - {"full_attention"}
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    # torch's ring takes no attention dropout (GPT-2's default: 0.1): it fails deep inside, on a DTensor.
+    dropout = [f"{k} {getattr(config, k)}" for k in ("attention_dropout", "attn_pdrop") if getattr(config, k, 0)]
     problem = (
         f"its attention is {config._attn_implementation!r}, not SDPA" if config._attn_implementation != "sdpa"
         else f"it has {', '.join(sorted(other_layers))} layers" if other_layers
         else f"it attends within a sliding window of {window} tokens" if window and window < args.seq_length
         else "it caps attention's logits" if getattr(config, "attn_logit_softcapping", None)
+        else f"it drops attention weights at random ({dropout[0]} in its config: 0 lets it run)" if dropout
         else None
     )  # fmt: skip
     if problem:

@@ -152,8 +152,10 @@ def meta_model(model_type, **config):
         ("llama", {"attn_implementation": "eager"}, "LlamaForCausalLM: its attention is 'eager', not SDPA"),
         ("mistral", {"sliding_window": 64}, "MistralForCausalLM: it attends within a sliding window of 64 tokens"),
         ("gemma3_text", {}, "Gemma3ForCausalLM: it has sliding_attention layers"),
+        ("gpt2", {}, "GPT2LMHeadModel: it drops attention weights at random (attn_pdrop 0.1 in its config: 0 lets "
+                     "it run)"),
     ],
-    ids=["eager", "sliding-window", "mixed-layers"],
+    ids=["eager", "sliding-window", "mixed-layers", "attention-dropout"],
 )
 def test_models_whose_attention_the_ring_cannot_take_are_refused(model_type, config, problem):
     chapter = load_chapter()
