@@ -12,6 +12,7 @@ import transformers
 from tools.memory import load  # a chapter's script as a module
 
 VOCAB = 512
+FIRST_GRAD_NORMS = {}  # (family, tp, cp): the first step's gradient norm, before AdamW moves anything
 WIDTHS = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=None,
@@ -34,8 +35,9 @@ def config(family):
     return cls(**{**WIDTHS, **extra})
 
 
-def train(family, mesh, tp):
-    """3 AdamW steps of 2 rows x 64 tokens per replica, from the same weights; the losses."""
+def train(family, mesh, tp, cp=1):
+    """3 AdamW steps of 2 rows x 64 tokens per replica, from the same weights; the losses. With `cp` 2:
+    chapter 07's context parallel, one replica of 4 rows, each row's tokens split over the 2 ranks."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
     from torch.distributed.tensor import DTensor
@@ -48,11 +50,15 @@ def train(family, mesh, tp):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config(family), dtype=torch.float32)
     blocks = transformer_blocks(model)
-    chapter = load("05-tensor-parallel" if tp > 1 else "04-fsdp")
+    chapter = load("05-tensor-parallel" if tp > 1 else "07-context-parallel" if cp > 1 else "04-fsdp")
     if tp > 1:
         chapter.apply_tp(model, blocks, mesh["tp"])
+    if cp > 1:  # its refusals, the attention function the ring runs, the CPU's kernel on the ring
+        chapter.check_cp_model(model, chapter.get_parser().parse_args(["--cp-size", str(cp), "--seq-length", "64"]))
+        chapter.cpu_ring_attention.register(torch.device("cpu"))
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    chapter.apply_fsdp(model, blocks, mesh["dp"] if tp > 1 else mesh, mp_policy, OffloadPolicy())
+    fsdp_mesh = mesh["dp"] if tp > 1 else mesh["cp"] if cp > 1 else mesh  # cp: FSDP over dp x cp, here 1 x 2
+    chapter.apply_fsdp(model, blocks, fsdp_mesh, mp_policy, OffloadPolicy())
     model.to_empty(device="cpu")
     set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
     for name, buffer in model.named_buffers():  # as the chapters do, for buffers TP made DTensors too
@@ -63,20 +69,28 @@ def train(family, mesh, tp):
         setattr(model.get_submodule(module_name), buffer_name, value)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(1)
-    losses = []
+    losses, grad_norms = [], []
     for _ in range(3):
         rows = torch.randint(0, VOCAB, (4, 64), generator=generator)
-        dp_rank, dp_size = (mesh["dp"].get_local_rank(), mesh["dp"].size()) if tp > 1 else (mesh.get_local_rank(), 2)
+        dp_mesh = mesh["dp"] if tp > 1 or cp > 1 else mesh
+        dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
         batch = rows[dp_rank * 4 // dp_size : (dp_rank + 1) * 4 // dp_size]
-        with loss_parallel():
-            loss = load_loss()(model(input_ids=batch, use_cache=False).logits, batch)
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if cp > 1:  # the chapter's slicing of the rows, and its loss: the rows' mean over the cp ranks
+            with chapter.shard_sequences({"input_ids": rows, "labels": rows}, mesh["cp"]) as sliced:
+                loss = model(**sliced, use_cache=False).loss
+                loss.backward()
+        else:
+            with loss_parallel():
+                loss = load_loss()(model(input_ids=batch, use_cache=False).logits, batch)
+                loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
         optimizer.step()
         optimizer.zero_grad()
         total = loss.detach().clone()
         torch.distributed.all_reduce(total)
         losses.append(total.item() / 2)
+    FIRST_GRAD_NORMS[family, tp, cp] = grad_norms[0]
     return losses
 
 
@@ -94,6 +108,11 @@ if __name__ == "__main__":
         results[family] = {"fsdp": train(family, init_device_mesh("cpu", (2,)), tp=1)}
         if family in sys.argv[1:]:
             results[family]["tp"] = train(family, init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")), tp=2)
+        try:  # chapter 07's cp 2, or its refusal
+            results[family]["cp"] = train(family, init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "cp")), 1, cp=2)
+            results[family]["grad_norms"] = [FIRST_GRAD_NORMS[family, 1, 1], FIRST_GRAD_NORMS[family, 1, 2]]
+        except SystemExit as refused:
+            results[family]["cp"] = str(refused.code)
     if dist.get_rank() == 0:
         print(json.dumps(results))
     dist.destroy_process_group()
