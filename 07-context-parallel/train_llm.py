@@ -35,13 +35,14 @@ from torch.distributed.tensor.experimental import context_parallel
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import common
 
 # isort: split
-# The chapter's own module, beside this script: the CPU's attention kernel on the ring (GPUs need none).
+# The chapter's own modules, beside this script: what the ring can run (its refusals, the attention
+# function it calls), and the CPU's attention kernel on the ring (GPUs need none).
 import cpu_ring_attention
+import ring
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def main():
     # The rows are dealt over dp; cp, the inner dimension, groups --cp-size consecutive ranks (a node's
     # GPUs, on NVLink) that split each row's tokens. FSDP shards over them all (the mesh above): the cp
     # ranks hold the same weights as the dp ranks do, and sharding them over more ranks costs nothing more.
-    check_cp_layout(args, world_size, shard_size)
+    ring.check_layout(args, world_size, shard_size)
     dp_size = world_size // args.cp_size
     cp_mesh = init_device_mesh(device.type, (dp_size, args.cp_size), mesh_dim_names=("dp", "cp"))
     dp_rank = cp_mesh["dp"].get_local_rank()
@@ -128,7 +129,7 @@ def main():
         common.checkpoint_blocks(common.transformer_blocks(model), args.activation_checkpointing)
     # Found once, now: fully_shard changes each block's class, and then the names would not match.
     blocks = common.transformer_blocks(model)
-    check_cp_model(model, args)
+    ring.check_model(model, args)
     parallelize(model, blocks, mesh, args, dtype, use_compile)
     model.to_empty(device="cpu" if args.cpu_offload else device)
     send_full_weights(model, full_model, device)
@@ -346,50 +347,6 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
     # A 2-D mesh is HSDP to fully_shard; with one group, its 1-D shard dimension is plain FSDP.
     fsdp_mesh = mesh if mesh["replicate"].size() > 1 else mesh["shard"]
     apply_fsdp(model, blocks, fsdp_mesh, mp_policy, offload_policy)
-
-
-def check_cp_layout(args, world_size, shard_size):
-    """Refuses a --cp-size the ranks or the rows cannot be split by."""
-    if world_size % args.cp_size or shard_size % args.cp_size:
-        raise SystemExit(
-            f"error: --cp-size {args.cp_size} must divide the number of ranks ({world_size}) "
-            f"and --shard-size ({shard_size})"
-        )
-    if args.seq_length % (2 * args.cp_size):
-        raise SystemExit(
-            f"error: --cp-size {args.cp_size} cuts each row into {2 * args.cp_size} chunks (a head and a tail per "
-            f"rank, for an even causal load): --seq-length {args.seq_length} must be a multiple of {2 * args.cp_size}"
-        )
-
-
-def check_cp_model(model, args):
-    """Refuses a model whose attention the ring cannot run, and has the others' attention called with no
-    mask. The ring replaces SDPA's causal kernels, whole rows only: no sliding window, no mask, no other
-    attention. HF builds a mask from position ids that jump (as a rank's head and tail chunks do, to
-    HF a row of packed documents); an attention function it has no mask function for gets none."""
-    if args.cp_size == 1:
-        return
-    config, name = model.config, type(model).__name__
-    other_layers = set(getattr(config, "layer_types", None) or []) - {"full_attention"}
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    # torch's ring takes no attention dropout (GPT-2's default: 0.1): it fails deep inside, on a DTensor.
-    dropout = [f"{k} {getattr(config, k)}" for k in ("attention_dropout", "attn_pdrop") if getattr(config, k, 0)]
-    problem = (
-        f"its attention is {config._attn_implementation!r}, not SDPA" if config._attn_implementation != "sdpa"
-        else f"it has {', '.join(sorted(other_layers))} layers" if other_layers
-        else f"it attends within a sliding window of {window} tokens" if window and window < args.seq_length
-        else "it caps attention's logits" if getattr(config, "attn_logit_softcapping", None)
-        else f"it drops attention weights at random ({dropout[0]} in its config: 0 lets it run)" if dropout
-        else None
-    )  # fmt: skip
-    if problem:
-        raise SystemExit(
-            f"error: --cp-size {args.cp_size}: ring attention cannot run {name}: {problem}; use --cp-size 1"
-        )
-    from transformers import AttentionInterface  # here: it imports torchao, whose import-time lines common quiets
-
-    AttentionInterface.register("sdpa_context_parallel", sdpa_attention_forward)
-    model.set_attn_implementation("sdpa_context_parallel")
 
 
 @contextlib.contextmanager

@@ -130,8 +130,8 @@ def load_chapter():
 def test_layouts_that_cannot_split_are_refused(argv, world_size, shard_size, message):
     chapter = load_chapter()
     with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
-        chapter.check_cp_layout(chapter.get_parser().parse_args(argv), world_size, shard_size)
-    chapter.check_cp_layout(chapter.get_parser().parse_args(["--cp-size", "2"]), 4, 2)  # 2 dp x 2 cp: fine
+        chapter.ring.check_layout(chapter.get_parser().parse_args(argv), world_size, shard_size)
+    chapter.ring.check_layout(chapter.get_parser().parse_args(["--cp-size", "2"]), 4, 2)  # 2 dp x 2 cp: fine
 
 
 def meta_model(model_type, **config):
@@ -161,11 +161,11 @@ def test_models_whose_attention_the_ring_cannot_take_are_refused(model_type, con
     chapter = load_chapter()
     args = chapter.get_parser().parse_args(["--cp-size", "2"])
     with pytest.raises(SystemExit) as refused:
-        chapter.check_cp_model(meta_model(model_type, **config), args)
+        chapter.ring.check_model(meta_model(model_type, **config), args)
     assert str(refused.value) == f"error: --cp-size 2: ring attention cannot run {problem}; use --cp-size 1"
     # A window longer than the rows is no window: Mistral's default attention runs on the ring.
     mistral = meta_model("mistral", sliding_window=4096)
-    chapter.check_cp_model(mistral, args)
+    chapter.ring.check_model(mistral, args)
     assert mistral.config._attn_implementation == "sdpa_context_parallel"
 
 

@@ -69,7 +69,7 @@ def tracked_peak(chapter, config, mesh, argv, cp_mesh=None) -> dict:
     step_args = ()
     if cp_mesh is not None:  # as chapter 07's main(): the CPU's kernel on the ring, and SDPA with no mask
         chapter.cpu_ring_attention.register(device)
-        chapter.check_cp_model(model, args)
+        chapter.ring.check_model(model, args)
         step_args = (cp_mesh,)
     chapter.parallelize(model, transformer_blocks(model), mesh, args, torch.bfloat16, use_compile=False)
     # DTensor derives each op's output shape on full-size tensors, in the fake mode it finds: in one of its own,
