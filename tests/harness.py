@@ -94,7 +94,6 @@ def run_chapter(
     faults: dict | None = None,
     check: bool = True,
     timeout: float = 300,
-    launcher: str | None = None,
 ) -> subprocess.CompletedProcess:
     """Runs `chapter`/train_llm.py with `python`, or under `torchrun --standalone` when `nproc` is given.
 
@@ -102,15 +101,15 @@ def run_chapter(
     that imported the chapters' libraries once: each rank is the same script with the same arguments,
     folder and environment, torchrun's for its workers included, joined through a store that this
     process holds as torchrun's agent would. What torchrun itself does (its failure summary, elastic
-    restarts, signals to the launcher) is proved with real torchrun: a run that may fail, a run with
-    `torchrun_args` or a signal to its parent, and `launcher="torchrun"`."""
+    restarts, signals to the launcher) is proved with real torchrun: a run that may fail (its summary is
+    the last lines a user reads), a run with `torchrun_args`, a signal to its parent."""
     script = str(REPO / chapter / "train_llm.py")
     full_env = chapter_env(hf_home, env, faults)
     if nproc is None:
         cmd = [sys.executable, script, *args]
     else:
         cmd = [*torchrun("--standalone", f"--nproc-per-node={nproc}", *torchrun_args), script, *args]
-    forked = launcher != "torchrun" and check and not torchrun_args and "FAULT_SIGNAL_PARENT" not in full_env
+    forked = check and not torchrun_args and "FAULT_SIGNAL_PARENT" not in full_env
     if forked:
         returncode, stdout, stderr = rank_servers.run(script, list(args), nproc, full_env, timeout, " ".join(cmd))
         proc = subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
