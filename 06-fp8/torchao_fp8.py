@@ -55,6 +55,18 @@ def fp8_filter(recipe: str, tp_size: int, fast_only: bool):
     return keep
 
 
+def setup(args, device, use_compile: bool) -> bool:
+    """torchao's FP8 for this run: refuses what its kernels cannot run here, picks the layers (emulated: all,
+    no speed to lose), and returns whether to compile, with what inductor needs for FP8 switched on."""
+    check(args, device)
+    args.fp8_layers = args.fp8_layers or ("all" if args.fp8_emulate else "fast")
+    use_compile = use_compile and not (args.fp8_emulate and device.type == "cuda")  # Triton's FP8 casts need sm89
+    # Inductor may fuse an RMSNorm into a rowwise cast without rounding to bf16 between: NaNs (pytorch#150859).
+    if args.fp8_recipe == "rowwise" and use_compile:
+        torch._inductor.config.emulate_precision_casts = True
+    return use_compile
+
+
 def check(args, device) -> None:
     """Refuses, in one line naming the flags, what torchao's FP8 kernels cannot run here."""
     # FP8 matmuls need compute capability 8.9 (Ada, Hopper) or newer. Elsewhere torchao emulates them:

@@ -81,12 +81,7 @@ def main():
     if args.fp8_backend == "te":
         autocast = te_backend.setup(args)  # Transformer Engine's layers compute in FP8 only inside its autocast
     else:
-        torchao_fp8.check(args, device)  # refuses what torchao's FP8 kernels cannot run here
-        args.fp8_layers = args.fp8_layers or ("all" if args.fp8_emulate else "fast")  # emulated: no speed to lose
-        use_compile = use_compile and not (args.fp8_emulate and device.type == "cuda")  # Triton's FP8 casts need sm89
-        # Inductor may fuse an RMSNorm into a rowwise cast without rounding to bf16 between: NaNs (pytorch#150859).
-        if args.fp8_recipe == "rowwise" and use_compile:
-            torch._inductor.config.emulate_precision_casts = True
+        use_compile = torchao_fp8.setup(args, device, use_compile)  # its checks, its layers, compile's switches
     # Three dimensions. tp, the inner one, groups --tp-size consecutive ranks: a node's GPUs, whose NVLink
     # carries the collectives TP runs in every block. Around it, chapter 04's (replicate, shard) FSDP.
     if world_size % args.tp_size:
