@@ -162,6 +162,7 @@ class RankServers:
             server = subprocess.Popen([sys.executable, script], env=server_env, cwd=REPO, stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=log, text=True)  # fmt: skip
             server.log = Path(log.name)  # what its imports printed, and why it ended if it did
+            server.pending = b""  # what it has sent beyond the last line read
         self.servers[key] = server  # the most recent last
         return server
 
@@ -212,7 +213,7 @@ class RankServers:
         """The server's next line, read from its pipe itself: a buffered reader could hold the next one
         where select() does not see it."""
         deadline = time.monotonic() + timeout
-        pending = server.__dict__.setdefault("pending", b"")
+        pending = server.pending
         while b"\n" not in pending:
             ready, _, _ = select.select([server.stdout], [], [], max(0, deadline - time.monotonic()))
             if not ready:
