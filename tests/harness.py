@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import psutil
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = Path(__file__).parent / "faults"
@@ -25,6 +26,7 @@ OFFLINE_WANDB = {"WANDB_MODE": "offline"}  # as users without a W&B login run
 # which chapter_env copies; tests/fake_ssh/ssh passes it to a host's command): when the test ends,
 # passed or failed, whatever still runs with it is killed (kill_marked), wherever it runs now.
 PROCESS_MARK = "TESTS_PROCESS_MARK"
+CUDA = torch.cuda.is_available()  # then every run is launched by torchrun (run_chapter)
 
 # Small and quick, yet every step sees different data and updates every weight. Validated every 6
 # steps on 2 global batches (the default's 20 would cost a third of a short run's compute).
@@ -102,14 +104,16 @@ def run_chapter(
     folder and environment, torchrun's for its workers included, joined through a store that this
     process holds as torchrun's agent would. What torchrun itself does (its failure summary, elastic
     restarts, signals to the launcher) is proved with real torchrun: a run that may fail (its summary is
-    the last lines a user reads), a run with `torchrun_args`, a signal to its parent."""
+    the last lines a user reads), a run with `torchrun_args`, a signal to its parent. On a CUDA machine
+    every run is torchrun's: CUDA does not work in a child forked from a process that has asked it
+    anything (an import may ask how many GPUs there are), and the GPU tests run what users run."""
     script = str(REPO / chapter / "train_llm.py")
     full_env = chapter_env(hf_home, env, faults)
     if nproc is None:
         cmd = [sys.executable, script, *args]
     else:
         cmd = [*torchrun("--standalone", f"--nproc-per-node={nproc}", *torchrun_args), script, *args]
-    forked = check and not torchrun_args and "FAULT_SIGNAL_PARENT" not in full_env
+    forked = check and not torchrun_args and "FAULT_SIGNAL_PARENT" not in full_env and not CUDA
     if forked:
         returncode, stdout, stderr = rank_servers.run(script, list(args), nproc, full_env, timeout, " ".join(cmd))
         proc = subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
@@ -155,7 +159,9 @@ class RankServers:
         if server is None or server.poll() is not None:
             while len(self.servers) >= self.MAX:
                 self.close(self.servers.pop(next(iter(self.servers))))
+            # The run's PYTHONPATH, less the faults and stand-ins, which only its ranks load: the user's own.
             server_env = {k: v for k, v in env.items() if k not in (PROCESS_MARK, "PYTHONPATH")}
+            server_env.update({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})
             server_env["JE_ARROW_MALLOC_CONF"] = "background_thread:false"  # pyarrow's thread: none before a fork
             script = str(Path(__file__).with_name("rank_server.py"))
             log = tempfile.NamedTemporaryFile(prefix="rank-server-", suffix=".log", delete=False)  # noqa: SIM115
