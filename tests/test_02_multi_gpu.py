@@ -8,6 +8,7 @@ from harness import (
     FAST_ARGS,
     assert_released_late,
     assert_names_no_straggler,
+    equal_ranks_run,
     assert_names_rank_1,
     assert_state_as_planned,
     compiled_graphs,
@@ -50,8 +51,8 @@ def test_matches_chapter_01_with_the_same_global_batch(chapter_01_run, straight_
     assert len(ddp_val) == 2 and max(abs(a - b) for a, b in zip(single_val, ddp_val)) <= 1e-5
 
 
-def test_equal_ranks_name_no_straggler(straight_run):
-    assert_names_no_straggler((straight_run.parent / "ddp.stderr").read_text(), read_metrics(straight_run))
+def test_equal_ranks_name_no_straggler(tmp_path, hf_home):
+    assert_names_no_straggler(*equal_ranks_run(CHAPTER, tmp_path, hf_home))
 
 
 def test_a_slow_rank_is_named_and_no_other(tmp_path, hf_home):

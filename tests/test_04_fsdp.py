@@ -8,6 +8,7 @@ from harness import (
     REPO,
     UNIFORM_LOSS,
     assert_names_no_straggler,
+    equal_ranks_run,
     assert_names_rank_1,
     assert_released_late,
     assert_state_as_planned,
@@ -41,8 +42,8 @@ def fsdp_run(fsdp_reference):
     return fsdp_reference
 
 
-def test_equal_ranks_name_no_straggler(fsdp_run):
-    assert_names_no_straggler((fsdp_run / "stderr.txt").read_text(), read_metrics(fsdp_run / CHAPTER))
+def test_equal_ranks_name_no_straggler(tmp_path, hf_home):
+    assert_names_no_straggler(*equal_ranks_run(CHAPTER, tmp_path, hf_home))
 
 
 def test_a_slow_rank_is_named_and_no_other(tmp_path, hf_home):
