@@ -17,5 +17,5 @@ from common.distributed import StopSignal, destroy_process_group_and_exit, no_fo
 from common.distributed import rank0_first, record
 from common.metrics import NonFiniteGuard, PhaseTimers, flops_per_token, log_metrics, memory_stats, peak_bf16_flops
 from common.metrics import setup_logging, shard_memory, wandb_mode
-from common.model import DEFAULT_MODEL, adamw_param_groups, checkpoint_blocks, load_config_and_tokenizer
+from common.model import DEFAULT_MODEL, DEFAULT_MOE_MODEL, adamw_param_groups, checkpoint_blocks, load_config_and_tokenizer
 from common.model import transformer_blocks

@@ -19,6 +19,7 @@ from common.data import first_line, looks_like_path
 # The embedded default: a tiny Llama config with its tokenizer (see tools/make_tiny_default.py),
 # loaded through the same calls as a Hub name.
 DEFAULT_MODEL = str(Path(__file__).parent / "tiny_llama")
+DEFAULT_MOE_MODEL = str(Path(__file__).parent / "tiny_moe")  # chapter 09's: a mixture of experts
 # pyproject.toml's floor, the oldest transformers the chapters are tested with (the README says how).
 MIN_TRANSFORMERS = "5.0"
 
@@ -62,6 +63,10 @@ def load_config_and_tokenizer(model_name: str, seq_length: int):
         )
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: {flag}: its tokenizer has no EOS token to end each document with")
+    # A mixture of experts trains with its routers' load-balancing loss, which HF adds to the loss (times the
+    # config's router_aux_loss_coef) only when asked: without it, a router may send most tokens to few experts.
+    if hasattr(config, "output_router_logits"):
+        config.output_router_logits = True
     return config, tokenizer
 
 

@@ -399,6 +399,32 @@ def rewind(exp_dir: Path, copy_to: Path, step: int) -> None:
     metrics.write_text("".join(line for line in logged if json.loads(line)["step"] <= step))
 
 
+def final_weights(exp_dir: Path, tmp_path: Path, step: int = 12) -> dict:
+    """The model's full weights in the checkpoint of `step`, gathered from its DCP shards."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{exp_dir.parent.name}-{exp_dir.name}-{step}.pt"
+    dcp_to_torch_save(exp_dir / "checkpoints" / f"step-{step:08d}", out)
+    return torch.load(out)["model"]
+
+
+def differences(run: Path, reference: Path, tmp_path: Path, steps: int = 12) -> dict:
+    """The largest differences to chapter 04's run: each step's loss and gradient norm (the norm's relative
+    to it), the validation losses, and the final weights."""
+    run_metrics, ref_metrics = read_metrics(run), read_metrics(reference)
+    assert sorted(run_metrics) == list(range(1, steps + 1))
+    worst = {"loss": 0.0, "grad_norm": 0.0, "val_loss": 0.0}
+    for step, ref in ref_metrics.items():
+        for key in worst:
+            if key in ref:
+                difference = abs(run_metrics[step][key] - ref[key]) / (ref[key] if key == "grad_norm" else 1)
+                worst[key] = max(worst[key], difference)
+    weights, ref_weights = final_weights(run, tmp_path, steps), final_weights(reference, tmp_path, steps)
+    assert weights.keys() == ref_weights.keys()  # chapter 04's names: model.layers.3.mlp.up_proj.weight, ...
+    worst["weights"] = max((weights[name] - ref_weights[name]).abs().max().item() for name in ref_weights)
+    return worst
+
+
 def losses(exp_dir: Path, key: str = "loss") -> list[float]:
     """The logged `key` of every step that has it; for the training loss, every step must."""
     metrics = read_metrics(exp_dir)

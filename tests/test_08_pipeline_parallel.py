@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from harness import FAST_ARGS, REPO, assert_released_late, last_lines, late_release, losses, read_metrics, rewind
+from harness import FAST_ARGS, REPO, assert_released_late, differences, last_lines, late_release, losses, rewind
 from harness import run_chapter
 from model_families import config
 
@@ -20,32 +20,6 @@ CHAPTER = "08-pipeline-parallel"
 STEPS = 12
 ARGS = [*FAST_ARGS, "--max-steps", str(STEPS)]
 SUPPORTED = ["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "qwen2_moe"]  # and Gemma 3, untied
-
-
-def final_weights(exp_dir, tmp_path, step=STEPS):
-    """The model's full weights in the checkpoint of `step`, gathered from its DCP shards."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp_path / f"{exp_dir.parent.name}-{exp_dir.name}-{step}.pt"
-    dcp_to_torch_save(exp_dir / "checkpoints" / f"step-{step:08d}", out)
-    return torch.load(out)["model"]
-
-
-def differences(run, reference, tmp_path) -> dict:
-    """The largest differences to chapter 04's run: each step's loss and gradient norm (the norm's relative
-    to it), the validation losses, and the final weights."""
-    run_metrics, ref_metrics = read_metrics(run), read_metrics(reference)
-    assert sorted(run_metrics) == list(range(1, STEPS + 1))
-    worst = {"loss": 0.0, "grad_norm": 0.0, "val_loss": 0.0}
-    for step, ref in ref_metrics.items():
-        for key in worst:
-            if key in ref:
-                difference = abs(run_metrics[step][key] - ref[key]) / (ref[key] if key == "grad_norm" else 1)
-                worst[key] = max(worst[key], difference)
-    weights, ref_weights = final_weights(run, tmp_path), final_weights(reference, tmp_path)
-    assert weights.keys() == ref_weights.keys()  # chapter 04's names: model.layers.3.mlp.up_proj.weight, ...
-    worst["weights"] = max((weights[name] - ref_weights[name]).abs().max().item() for name in ref_weights)
-    return worst
 
 
 def assert_equal_to_04(run, reference, tmp_path):

@@ -228,6 +228,25 @@ def slow_blocks(seconds: float) -> None:
     modeling_llama.LlamaDecoderLayer.forward = slow_forward
 
 
+def experts_unused_from(first: int) -> None:
+    """Qwen3-MoE's routers never choose experts `first` and above (their logits -inf): under expert
+    parallelism, the ranks that hold only those receive no tokens. The same objective in every chapter."""
+    import torch
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    def forward(self, hidden_states):  # Qwen3MoeTopKRouter.forward (transformers 5), with the mask
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states, self.weight)
+        logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= first, float("-inf"))
+        probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+        top_value, top_index = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_value /= top_value.sum(dim=-1, keepdim=True)
+        return logits, top_value.to(logits.dtype), top_index
+
+    modeling_qwen3_moe.Qwen3MoeTopKRouter.forward = forward
+
+
 def wrong_fp8_scales(factor: float) -> None:
     # The two places torchao computes a scale from an amax; the chapter imports the second by name
     # after this runs, so replacing it in torchao.float8 is enough.
@@ -263,6 +282,8 @@ if FIRST_ATTEMPT:
         strike_at_step(step_fault, int(os.environ[step_fault]))
     if "FAULT_FP8_SCALE" in os.environ:
         wrong_fp8_scales(float(os.environ["FAULT_FP8_SCALE"]))
+if "FAULT_EXPERTS_UNUSED_FROM" in os.environ:
+    experts_unused_from(int(os.environ["FAULT_EXPERTS_UNUSED_FROM"]))
 if "FAULT_LATE_RELEASE_AT_EXIT" in os.environ:
     late_release_at_exit(os.environ["FAULT_LATE_RELEASE_AT_EXIT"])
 if "FAULT_SLOW_DATA" in os.environ and RANK == "0":

@@ -234,6 +234,31 @@ def count_steps(path: str) -> None:
     register_optimizer_step_post_hook(after_step)
 
 
+def expert_counts(folder: str) -> None:
+    """At every call of Qwen3-MoE's experts in a training forward (not evaluation's, nor checkpointing's
+    recompute), the tokens the router sent to each expert, a JSON line in folder/expert-counts-rank-R.jsonl:
+    the layers in order. A forward pre-hook on each experts module, which runs whatever replaced its forward
+    (chapter 09's dispatch) and whatever the router does (FAULT_EXPERTS_UNUSED_FROM)."""
+    import torch
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    path = Path(folder) / f"expert-counts-rank-{os.environ.get('RANK', '0')}.jsonl"
+    init = modeling_qwen3_moe.Qwen3MoeExperts.__init__
+
+    def counting_init(self, config, *args, **kwargs):
+        init(self, config, *args, **kwargs)
+
+        def count(module, inputs):
+            if module.training and torch._C._current_graph_task_id() == -1:
+                counts = torch.bincount(inputs[1].flatten(), minlength=config.num_experts).tolist()
+                with path.open("a") as file:
+                    file.write(json.dumps(counts) + "\n")
+
+        self.register_forward_pre_hook(count)
+
+    modeling_qwen3_moe.Qwen3MoeExperts.__init__ = counting_init
+
+
 if RANK_0 and "PROBE_COMPILE_COUNTS" in os.environ:
     compile_counts(os.environ["PROBE_COMPILE_COUNTS"], os.environ.get("PROBE_COMPILE_BACKEND", "inductor"))
 elif "PROBE_COMPILE_BACKEND" in os.environ:
@@ -260,6 +285,8 @@ if "PROBE_DRY_RUN" in os.environ or "PROBE_DRY_RUN_BLOCKS" in os.environ:
         dry_run.fewer_blocks(int(os.environ["PROBE_DRY_RUN_BLOCKS"]))
     if "PROBE_DRY_RUN" in os.environ:
         dry_run.install(os.environ["PROBE_DRY_RUN"])
+if "PROBE_EXPERT_COUNTS" in os.environ:
+    expert_counts(os.environ["PROBE_EXPERT_COUNTS"])
 if "PROBE_MAX_STEPS" in os.environ:
     max_steps(int(os.environ["PROBE_MAX_STEPS"]))
 if RANK_0 and "PROBE_STEPS" in os.environ:

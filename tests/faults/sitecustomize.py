@@ -30,6 +30,8 @@ FAULT_FP8_SCALE=F               every FP8 scale torchao computes is F x the righ
                                 output gradients, weights cast one by one) and in the weight scales
                                 precompute_float8_dynamic_scale_for_fsdp sets for FSDP's FP8 all-gathers. The FP8
                                 tensor keeps that scale, so with F > 1 every value above amax / F clamps.
+FAULT_EXPERTS_UNUSED_FROM=N     Qwen3-MoE's routers never choose experts N and above: under expert parallelism, the
+                                ranks that hold only those receive no tokens (chapter 09).
 
 A fault strikes once: when torchrun restarts the workers (TORCHELASTIC_RESTART_COUNT > 0), none is
 armed, the FAULT_SLOW_* ones excepted (they slow every attempt).
@@ -59,6 +61,9 @@ PROBE_SCALED_MM_SHAPES=1        every emulated FP8 matmul (torchao, --fp8-emulat
 PROBE_COMPILE_BACKEND=eager     torch.compile traces with dynamo as usual, then runs the traced graphs
                                 as they are instead of generating kernels: what was traced, and how
                                 often, is the same, in seconds instead of minutes on a small CPU.
+PROBE_EXPERT_COUNTS=dir         at every call of Qwen3-MoE's experts in a training forward (not evaluation's nor
+                                activation checkpointing's recompute), the tokens the router sent to each expert,
+                                a JSON line in dir/expert-counts-rank-R.jsonl.
 PROBE_MAX_STEPS=N               a chapter's run ends after N steps, as with --max-steps N (or its own, if
                                 fewer), and evaluates on at most N batches, as with --eval-batches N: the
                                 docs' commands in the suite's time, never edited (test_docs_*).

@@ -1,0 +1,551 @@
+"""Chapter 09: expert parallelism on chapter 04: each mixture-of-experts layer's experts spread over
+--ep-size ranks, and each token sent to the ranks of the experts its router chose, and back (all-to-all).
+
+    torchrun --standalone --nproc-per-node gpu 09-expert-parallel/train_llm.py
+
+With no arguments it trains a tiny Qwen3-MoE on a small task dataset, both shipped in common/.
+Rerunning the same command resumes from the last checkpoint in --save-dir/--experiment-name.
+"""
+
+import contextlib
+import functools
+import gc
+import json
+import logging
+import math
+import os
+import secrets
+import shutil
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.checkpoint as dcp
+import tqdm
+import wandb
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+from torch import nn
+from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
+
+import common
+import experts
+
+logger = logging.getLogger(__name__)
+
+
+@common.record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
+def main():
+    # --- 1. Setup: flags, device, precision ---
+    # The imports' ~370k objects live as long as the process: no full collection (~0.3 s, mid-step) scans them.
+    gc.freeze()
+    args = get_parser().parse_args()
+    if "RANK" not in os.environ:  # started with plain python: no launcher has said which rank this is
+        raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
+    # torchrun starts one process per GPU and tells each who it is.
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    # Rank 0 speaks for the job; the others only report warnings and errors.
+    prefix = f"[{socket.gethostname()} rank={rank}] "  # where it runs: ranks do not follow a host list's order
+    common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
+    logger.info(args)
+    # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        logger.warning(f"Workers restarted {os.environ['TORCHELASTIC_RESTART_COUNT']} time(s): resuming")
+
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but no GPU is visible (did the job request GPUs?)")
+    device = init_distributed(args, device_type, local_rank)
+    # fp32 weights and optimizer state; matmuls in bf16 on GPU, fp32 on CPU.
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    # FSDP's mixed precision casts the weights for the matmuls itself: no autocast.
+    autocast = functools.partial(torch.autocast, device.type, enabled=False)
+    use_compile = args.compile if args.compile is not None else device.type == "cuda"
+    # FSDP shards every tensor over --shard-size ranks (default: all). Fewer (a node's GPUs) is HSDP: a replica per
+    # group, whose all-gathers and reduce-scatters stay inside it; only the gradient shards' all-reduce crosses.
+    shard_size = args.shard_size or world_size
+    if world_size % shard_size:
+        raise SystemExit(f"error: --shard-size {shard_size} must divide the number of ranks ({world_size})")
+    mesh = init_device_mesh(device.type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+    # The experts' mesh, over the same ranks: each shard group split into groups of --ep-size consecutive
+    # ranks (a node's, on GPUs), which hold one copy of every expert between them; FSDP shards each expert
+    # over the efsdp ranks that hold the same ones.
+    experts.check_layout(args, world_size, shard_size)
+    expert_mesh = init_device_mesh(
+        device.type, (world_size // shard_size, shard_size // args.ep_size, args.ep_size),
+        mesh_dim_names=("replicate", "efsdp", "ep"),
+    )  # fmt: skip
+
+    # --- 2. Config and tokenizer ---
+    # Everything that can fail on bad input happens before anything is written.
+    common.check_save_dir(args.save_dir)
+    with common.rank0_first(local=args.node_local_cache):
+        config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
+    # The export is in the model's published dtype (bf16 for most), read now: building in fp32 overwrites it.
+    export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
+
+    # --- 3. Data: tokenized, packed into rows, validation rows held out ---
+    with common.rank0_first(local=args.node_local_cache):
+        train_data, val_data = common.load_and_pack(
+            args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=world_size * args.batch_size
+        )
+    # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows on every rank.
+    global_batch_rows = world_size * args.batch_size * args.grad_accum_steps
+    steps_per_epoch = len(train_data) // global_batch_rows
+    if steps_per_epoch == 0:
+        raise SystemExit(
+            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} on {world_size} ranks "
+            f"is larger than the dataset ({len(train_data)} training rows of {args.seq_length} tokens); "
+            "pass a smaller --batch-size or --seq-length"
+        )
+    total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
+    logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
+
+    # --- 4. Model ---
+    # Built on the CPU from the seed: every chapter starts from the same weights.
+    # Only rank 0 holds it whole; the others wait on the job's store (rank0_first) as long as a download takes.
+    torch.manual_seed(args.seed)
+    with common.rank0_first():
+        full_model = build_model(args, config) if rank == 0 else None
+    # Every rank builds the structure on the meta device (shapes, no memory) and allocates only its shards.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if args.activation_checkpointing:
+        # Each block keeps its input (selective: and some matmuls' and attention's outputs), recomputes the rest.
+        common.checkpoint_blocks(common.transformer_blocks(model), args.activation_checkpointing)
+    # Found once, now: fully_shard changes each block's class, and then the names would not match.
+    blocks = common.transformer_blocks(model)
+    moe_layers = experts.check_model(model, args, dtype)
+    parallelize(model, blocks, mesh, expert_mesh, args, dtype, use_compile)
+    model.to_empty(device="cpu" if args.cpu_offload else device)
+    send_full_weights(model, full_model, device)
+    del full_model
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info(f"{num_params:,} parameters, sharded over {shard_size} ranks")  # a DTensor counts its full size
+    logger.info(f"{len(moe_layers)} layers of experts, each expert on 1 of {args.ep_size} ranks (--ep-size)")
+
+    # --- 5. Optimizer and LR schedule ---
+    params = common.adamw_param_groups(model, args.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=True)  # one kernel, GPU or CPU
+    # Linear warmup from 0 over --warmup-steps, then cosine decay to 10% of --lr at the last step.
+    lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, args.warmup_steps, total_steps, min_lr_rate=0.1
+    )
+
+    # --- 6. Resume from the last checkpoint, if there is one ---
+    exp_dir = Path(args.save_dir) / args.experiment_name
+    # The data position counts steps of global_batch_rows rows of seq_length tokens.
+    layout = {"global_batch_rows": global_batch_rows, "seq_length": args.seq_length}
+    # One wandb id for the job, drawn by rank 0: every rank must name its run after the same id.
+    wandb_run_id = [secrets.token_hex(4)]
+    dist.broadcast_object_list(wandb_run_id, src=0)
+    state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": wandb_run_id[0], **layout}
+    state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log line: a resumed run logs the same mean
+    checkpoint = common.latest_checkpoint(exp_dir)
+    # Every rank resumes from rank 0's step: with --save-dir on each node's own disk, others would start over.
+    rank0_checkpoint = [checkpoint]
+    dist.broadcast_object_list(rank0_checkpoint, src=0)
+    if checkpoint != rank0_checkpoint[0]:
+        raise SystemExit(
+            f"error: rank {rank} on {socket.gethostname()} finds checkpoint {checkpoint}, rank 0 finds "
+            f"{rank0_checkpoint[0]}: --save-dir must be one folder shared by all nodes"
+        )
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
+        common.check_resume(checkpoint, state, layout)
+        logger.info(f"Resumed from {checkpoint} at step {state['global_step']}")
+
+    # --- 7. Train ---
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    metrics_file = exp_dir / "metrics.jsonl" if rank == 0 else None  # rank 0 writes the job's metrics
+    init_wandb(args, exp_dir, state["wandb_run_id"])
+
+    tokens_per_step = global_batch_rows * args.seq_length
+    flops_per_step = tokens_per_step * common.flops_per_token(model, config, args.seq_length)
+    peak_flops = common.peak_bf16_flops(device)
+    timers = common.PhaseTimers(device, compare_ranks=True, blocks=blocks)  # blocks: timed without FSDP's waits
+    guard = common.NonFiniteGuard(device)
+    stop = common.StopSignal()
+    async_saves = common.AsyncCheckpoints(args.dist_timeout, device, optimizer) if args.async_checkpoints else None
+    postfix = {}  # what the progress bar shows after the counts
+    running_loss = state["running_loss"]
+    steps_since_log, log_start = state["steps_since_log"], time.perf_counter()
+
+    def due(every):  # every `every` steps, and at the last one
+        return state["global_step"] % every == 0 or state["global_step"] == total_steps
+
+    with tqdm.tqdm(total=total_steps, initial=state["global_step"], desc="training", disable=rank != 0) as progress:
+        model.train()
+        stopping = None
+        while state["global_step"] < total_steps and not stopping:
+            # Each rank takes every world_size-th row of the same permutation: disjoint slices of one
+            # global batch, the same rows chapter 01 trains on with a world_size times larger batch.
+            sampler = DistributedSampler(train_data, shuffle=True, seed=args.seed, drop_last=True)
+            sampler.set_epoch(state["epoch"])
+            # On resume, the batches this epoch already trained on are skipped by index, never loaded.
+            indices = list(sampler)[state["epoch_step"] * global_batch_rows // world_size :]
+            dataloader = DataLoader(
+                train_data, args.batch_size, sampler=indices, drop_last=True, pin_memory=device.type == "cuda"
+            )
+            batches = iter(dataloader)
+
+            for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
+                loss, grad_norm = train_step(
+                    model, moe_layers, batches, optimizer, lr_scheduler, args, timers, autocast, device
+                )
+
+                state["global_step"] += 1
+                state["epoch_step"] += 1
+                progress.update()
+                # Accumulated on the device: calling .item() every step would wait for the GPU every step.
+                running_loss += loss
+                steps_since_log += 1
+                guard.update(state["global_step"], loss, grad_norm)
+                if async_saves:
+                    async_saves.poll()  # a save that failed (a full disk) stops the job at the next step
+
+                # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
+                stopping = stop.agreed(device)
+                if due(args.log_freq):
+                    timings = timers.summary(steps_since_log)  # waits for the GPU: elapsed then covers all queued work
+                    elapsed = time.perf_counter() - log_start
+                    guard.check()
+                    metrics = {
+                        "step": state["global_step"],
+                        "epoch": state["epoch"],
+                        "loss": running_loss.item() / steps_since_log,
+                        "lr": lr_scheduler.get_last_lr()[0],
+                        "grad_norm": grad_norm.item(),
+                        "tokens_per_s": steps_since_log * tokens_per_step / elapsed,
+                        **timings,
+                        **common.memory_stats(device),
+                        **common.shard_memory(model, optimizer),
+                        **experts.load_metrics(moe_layers),  # the busiest expert sets the step's pace
+                    }
+                    if peak_flops:
+                        metrics["mfu"] = steps_since_log * flops_per_step / elapsed / (world_size * peak_flops)
+                    common.log_metrics(metrics, metrics_file)
+                    postfix.update(loss=f"{metrics['loss']:.3f}", tokens_per_s=f"{metrics['tokens_per_s']:.0f}")
+                    progress.set_postfix(postfix)
+                    running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
+
+                if val_data is not None and not stopping and due(args.eval_every):
+                    val_loss = evaluate(model, val_data, args, device, autocast)
+                    common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
+                    postfix.update(val_loss=f"{val_loss:.3f}")
+                    progress.set_postfix(postfix)
+                    log_start = time.perf_counter()  # evaluating is not training: keep it out of tokens/s
+
+                if due(args.ckpt_freq) or stopping:
+                    guard.check()  # a model with NaN weights never becomes a checkpoint
+                    state["running_loss"], state["steps_since_log"] = float(running_loss), steps_since_log
+                    with timers("checkpoint"):  # what the save costs the training loop
+                        save_checkpoint(
+                            exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints, async_saves
+                        )
+                    log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
+                if stopping:
+                    break
+
+            if state["epoch_step"] == steps_per_epoch:
+                state["epoch"] += 1
+                state["epoch_step"] = 0
+
+    # --- 8. Export ---
+    if async_saves:
+        async_saves.close()  # a stop, and the end, wait for the last checkpoint to be written and published
+    if args.export_hf and not stopping:
+        export_hf(model, config, tokenizer, args.export_hf, export_dtype)
+    if stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
+        logger.info(f"Stopped by {stopping} at step {state['global_step']}: rerun the same command to resume")
+    else:
+        wandb.finish()
+        logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
+    common.destroy_process_group_and_exit()  # gloo's threads would outlive it: see its docstring
+
+
+def train_step(model, moe_layers, batches, optimizer, lr_scheduler, args, timers, autocast, device):
+    """One optimizer step on --grad-accum-steps micro-batches: its loss and gradient norm, left on the device."""
+    step_loss = 0.0
+    for micro_step in range(args.grad_accum_steps):
+        # FSDP reduce-scatters every micro-step's gradients into the sharded sum: DDP's no-sync would keep a
+        # full fp32 gradient on every rank (30 GiB at 8B). Only HSDP's all-reduce waits for the last micro-step.
+        model.set_requires_all_reduce(micro_step == args.grad_accum_steps - 1)
+        with timers("data"):
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+
+        with timers("forward"), autocast():
+            # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
+            # Divided by their number, the micro-batches' losses add up to gradients of the step's mean loss.
+            loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
+
+        with timers("backward"):
+            loss.backward()
+        step_loss += loss.detach()
+    # Each rank trained on other rows: the job's loss is their mean (one number, no wait for the GPU).
+    dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+    step_loss /= dist.get_world_size()
+
+    with timers("optimizer"):
+        # An expert's gradient sums those of the tokens that ep ranks sent it, and FSDP averaged it over the
+        # efsdp and replicate ranks only: divided by ep, it is the mean over all ranks, as the dense ones are.
+        for param in (p for layer in moe_layers for p in layer.parameters()):
+            param.grad.div_(args.ep_size)
+        grad_norm = experts.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step_loss, grad_norm
+
+
+def build_model(args, config):
+    """The model in fp32 on the CPU: random weights from the seed, or --from-pretrained the published ones."""
+    if not args.from_pretrained:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        return AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
+    except OSError as err:
+        raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
+
+
+def send_full_weights(model, full_model, device):
+    """Rank 0's full weights (`full_model`; None elsewhere), sent tensor by tensor into every rank's shards."""
+    rank = dist.get_rank()
+    full_state = full_model.state_dict() if rank == 0 else {}
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Buffers outside the state dict (rotary frequencies) are sent too, to the device (to_empty: maybe the CPU).
+    for name, buffer in model.named_buffers():
+        value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty_like(buffer, device=device)
+        dist.broadcast(value, src=0)
+        module_name, _, buffer_name = name.rpartition(".")
+        setattr(model.get_submodule(module_name), buffer_name, value)
+
+
+def parallelize(model, blocks, mesh, expert_mesh, args, dtype, use_compile):
+    """What the chapter does to the model, in the order it must be done (torchtitan's parallelize_llama
+    is the model; main() has switched on activation checkpointing): experts on their ranks, compile, then FSDP."""
+    apply_expert_parallel(model, expert_mesh["ep"])
+    if use_compile:
+        # Each block on its own, FSDP's hooks between blocks outside the compiled code; not whole (fullgraph):
+        # the dispatch reads its split sizes on the host and runs eager, between the block's graphs.
+        for block in blocks:
+            block.compile()
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
+    # A 2-D mesh is HSDP to fully_shard; with one group, its 1-D shard dimension is plain FSDP.
+    fsdp_mesh = mesh if mesh["replicate"].size() > 1 else mesh["shard"]
+    expert_fsdp_mesh = expert_mesh["replicate", "efsdp"] if mesh["replicate"].size() > 1 else expert_mesh["efsdp"]
+    apply_fsdp(model, blocks, fsdp_mesh, expert_fsdp_mesh, mp_policy, offload_policy)
+
+
+def apply_expert_parallel(model, ep_mesh):
+    """Each layer's experts split over the ep ranks: every weight's dim 0 (experts) a DTensor sharded on the ep
+    mesh, so that checkpoints keep chapter 04's names and full shapes; each rank runs its own E / ep experts,
+    reached through dispatch()."""
+    for layer in experts.experts_modules(model):
+        for name, param in layer.named_parameters(recurse=False):
+            sharded = distribute_tensor(param, ep_mesh, [Shard(0)], src_data_rank=None)
+            layer.register_parameter(name, nn.Parameter(sharded))
+        layer.num_experts //= ep_mesh.size()  # HF's experts forward counts its own: the local ones
+        layer.load = 0  # tokens per expert since the last log (experts.load_metrics)
+        forward = functools.partial(dispatch, layer, layer.forward, ep_mesh.get_group())
+        layer.forward = torch.compiler.disable(forward)  # data-dependent sizes: eager (see parallelize)
+
+
+def dispatch(layer, local_forward, group, hidden_states, top_k_index, top_k_weights):
+    """The experts' forward under EP, as torchtitan's token dispatcher and transformers' AllToAllEP do it: each
+    token's top-k copies go to the ranks holding their experts, are computed there and come back, weighed
+    by the router's gates. Autograd's all-to-all sends their gradients back over the reversed splits."""
+    ep_size, top_k = group.size(), top_k_index.shape[-1]
+    # 1. The copies sorted by expert: a rank's experts are consecutive, so they are sorted by rank too.
+    expert_ids = top_k_index.flatten()
+    order = expert_ids.argsort(stable=True)
+    send_counts = torch.bincount(expert_ids, minlength=layer.num_experts * ep_size)
+    if layer.training and torch._C._current_graph_task_id() == -1:  # not checkpointing's recompute
+        layer.load = layer.load + send_counts
+    # 2. The counts exchanged: how many copies each rank receives for each of its experts. The split sizes
+    # are read on the host (a GPU sync per layer, as in every EP implementation with uneven splits).
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_splits = send_counts.view(ep_size, -1).sum(1).tolist()
+    recv_splits = recv_counts.view(ep_size, -1).sum(1).tolist()
+    # 3. The copies to their experts' ranks, grouped by sender, then by expert.
+    received = funcol.all_to_all_single_autograd(hidden_states[order // top_k], recv_splits, send_splits, group)
+    local_ids = torch.arange(layer.num_experts, device=received.device).repeat(ep_size)
+    local_ids = local_ids.repeat_interleave(recv_counts)
+    # 4. The local experts, each copy on one expert at weight 1 (the gates are applied back home). A rank that
+    # received nothing runs them on one zero row, sliced away: whatever grouped_mm makes of 0 rows, its experts
+    # then have gradients (zeros), and FSDP reduce-scatters them as on every other rank.
+    rows, ids = (received, local_ids) if len(local_ids) else (received.sum(0, keepdim=True), local_ids.new_zeros(1))
+    with local_weights(layer):
+        computed = local_forward(rows, ids[:, None], torch.ones_like(ids[:, None], dtype=rows.dtype))
+    computed = computed[: len(local_ids)]
+    # 5. Back to the senders, in the copies' first order, weighed by the gates and summed per token.
+    returned = funcol.all_to_all_single_autograd(computed, send_splits, recv_splits, group)
+    copies = returned[order.argsort()].view(*top_k_weights.shape, -1)
+    return (copies * top_k_weights[..., None]).sum(1).to(hidden_states.dtype)
+
+
+@contextlib.contextmanager
+def local_weights(layer):
+    """The layer's weights as this rank's experts (the DTensors' local shards) while HF's forward runs."""
+    sharded = dict(layer.named_parameters(recurse=False))
+    layer._parameters.update({name: param.to_local() for name, param in sharded.items()})
+    try:
+        yield
+    finally:
+        layer._parameters.update(sharded)
+
+
+def apply_fsdp(model, blocks, mesh, expert_mesh, mp_policy, offload_policy):
+    """Shards the input embeddings, each block and the output head as units, then the root (the rest). A unit's
+    weights are all-gathered just before its forward and backward, its gradients reduce-scattered when ready, while
+    the next unit computes. The root's stay gathered all step: the largest, embeddings and head, are units (untied)."""
+    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    tied = model.config.tie_word_embeddings
+    if not tied:
+        shard(model.get_input_embeddings())
+    for block in blocks:
+        for layer in experts.experts_modules(block):  # sharded over efsdp; the block's other weights over all
+            shard(layer, mesh=expert_mesh)
+        shard(block)
+    if not tied:
+        # Backward needs the head right after forward: kept gathered in between, not gathered twice.
+        shard(model.get_output_embeddings(), reshard_after_forward=False)
+    shard(model)
+
+
+def init_distributed(args, device_type, local_rank):
+    """Joins the job (torchrun said where the others are) and returns the device: the local rank's GPU, or
+    the CPU. A collective that waits longer than the timeout fails instead of hanging forever."""
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # With --cpu-offload, collectives over the shards and gradients on the CPU (clipping's norm) need gloo too.
+        backend = "cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl"
+        dist.init_process_group(backend, timeout=timedelta(minutes=args.dist_timeout), device_id=device)
+    else:
+        if args.cpu_offload:
+            raise SystemExit("error: --cpu-offload moves shards from GPU memory to the CPU: it needs GPUs")
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
+    return device
+
+
+def init_wandb(args, exp_dir, run_id):
+    """The run's wandb run. Its id comes from the checkpoint: a resumed run continues its wandb run, and a
+    new run (after deleting the folder, or another chapter under the same name) never continues an old one."""
+    # One per rank (each rank's timings and memory are its own), grouped by job.
+    rank = dist.get_rank()
+    wandb_dir = exp_dir / f"rank-{rank}"
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    wandb.init(
+        dir=wandb_dir,
+        id=f"{run_id}-{rank}",
+        name=f"{args.experiment_name}-rank-{rank}",
+        group=f"{args.experiment_name}-{run_id}",
+        resume="allow",
+        config=vars(args),
+        mode=common.wandb_mode(),
+    )
+
+
+def export_hf(model, config, tokenizer, folder, dtype):
+    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer."""
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:  # the full weights were gathered onto rank 0's CPU: rank 0 alone writes them
+        return
+    with torch.device("meta"):
+        export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    export_model.load_state_dict({name: value.to(dtype) for name, value in full_state.items()}, assign=True)
+    export_model.tie_weights()  # converted one by one, tied weights became two tensors again
+    export_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    logger.info(f"Exported the model to {folder} in {dtype}")
+
+
+def evaluate(model, val_data, args, device, autocast) -> float:
+    """The mean loss over the first --eval-batches global batches of the validation rows, without
+    gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
+    global_batch = dist.get_world_size() * args.batch_size
+    rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
+    # Each rank takes every world_size-th row, and the sum of the batches' mean losses is all-reduced.
+    sampler = DistributedSampler(rows, shuffle=False)
+    total = torch.zeros((), device=device)
+    model.eval()
+    with torch.no_grad(), autocast():
+        for batch in DataLoader(rows, sampler=sampler, batch_size=args.batch_size):
+            total += model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).loss.float()
+    model.train()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.item() / (len(rows) // args.batch_size)
+
+
+def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):
+    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position.
+    With `async_saves`, it returns once the copy to CPU memory has started: written and published beside training."""
+    final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
+    # Written under a temporary name, renamed when complete: a crash mid-save leaves nothing resume would trust.
+    tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
+    rank = dist.get_rank()
+    with common.saving(tmp_dir, state["global_step"]):
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            tmp_dir.mkdir(parents=True)
+        dist.barrier()
+        # Every rank writes its own shards, and DCP records where each sits in the full tensor: resharded on load.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        shards = {"model": model_state, "optimizer": optimizer_state}
+        if async_saves:
+            async_saves.start(shards, tmp_dir, final_dir, state["global_step"], keep)
+        else:
+            dcp.save(shards, checkpoint_id=tmp_dir)
+        if rank == 0:
+            torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
+            # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
+            torch.save(common.rng_state(device), tmp_dir / "rng.pt")
+            (tmp_dir / "state.json").write_text(json.dumps(state))
+            if not async_saves:
+                common.publish_checkpoint(tmp_dir, final_dir, keep)
+                logger.info(f"Saved {final_dir}")
+    dist.barrier()  # no rank runs ahead (and may crash) before the checkpoint is complete, or under way
+
+
+def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
+    with common.loading(checkpoint):
+        # DCP loads in place into this run's shards, whatever the number of ranks that saved them.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        shards = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(shards, checkpoint_id=checkpoint)
+        set_state_dict(model, optimizer, model_state_dict=shards["model"], optim_state_dict=shards["optimizer"])
+        lr_scheduler.load_state_dict(torch.load(checkpoint / "lr_scheduler.pt"))
+        common.set_rng_state(torch.load(checkpoint / "rng.pt"), device)
+        return json.loads((checkpoint / "state.json").read_text())
+
+
+def get_parser():
+    parser = common.base_parser(__doc__, __file__)
+    add = parser.add_argument
+    add("--dist-timeout", type=common.positive_float, default=10, help="minutes a collective may wait, then fails")
+    add("--node-local-cache", action="store_true", help="HF_HOME is on each node's disk: each node prepares the data")
+    add("--shard-size", type=common.positive_int, help="ranks that shard the model (default: all; fewer: HSDP)")
+    add("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
+    add("--async-checkpoints", action="store_true", help="write checkpoints beside training")
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    add("--ep-size", type=common.positive_int, default=local_ranks, help="ranks that split each layer's experts "
+        "(default: a node's)")  # fmt: skip
+    parser.set_defaults(model_name=common.DEFAULT_MOE_MODEL)
+    return parser
+
+
+if __name__ == "__main__":
+    main()
