@@ -383,8 +383,8 @@ def dispatch(layer, local_forward, group, hidden_states, top_k_index, top_k_weig
     local_ids = torch.arange(layer.num_experts, device=received.device).repeat(ep_size)
     local_ids = local_ids.repeat_interleave(recv_counts)
     # 4. The local experts, each copy on one expert at weight 1 (the gates are applied back home). A rank that
-    # received nothing runs them on one zero row, sliced away: whatever grouped_mm makes of 0 rows, its experts
-    # then have gradients (zeros), and FSDP reduce-scatters them as on every other rank.
+    # received nothing runs them on one zero row, sliced away: grouped_mm's backward refuses 0 rows (torch
+    # 2.13), and its experts then have gradients (zeros) for FSDP to reduce-scatter, as on every rank.
     rows, ids = (received, local_ids) if len(local_ids) else (received.sum(0, keepdim=True), local_ids.new_zeros(1))
     with local_weights(layer):
         computed = local_forward(rows, ids[:, None], torch.ones_like(ids[:, None], dtype=rows.dtype))

@@ -202,6 +202,11 @@ def flops_per_token(model, config, seq_length: int) -> float:
     the input embedding is a lookup, free, while a tied output head still costs a full matmul."""
     linears = [m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
     matmul_weights = sum(m.in_features * m.out_features for m in linears)
+    # A mixture of experts' stacked experts (3-D weights, one slice per expert): each token goes through
+    # num_experts_per_tok of them. (The routers' small matmul, hidden x experts, is left out.)
+    stacked = [p for m in model.modules() if hasattr(m, "num_experts") for p in m.parameters(recurse=False)]
+    top_k = getattr(config, "num_experts_per_tok", 0)
+    matmul_weights += sum(top_k * p.numel() // p.shape[0] for p in stacked if p.ndim == 3)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
     return 6 * matmul_weights + attention

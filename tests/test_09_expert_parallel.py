@@ -55,9 +55,11 @@ def fsdp_run(tmp_path_factory, hf_home):
 
 @pytest.fixture(scope="module")
 def ep_run(tmp_path_factory, hf_home):
-    """ep 2 on 2 ranks (its default: a node's ranks): 4 experts per layer on each."""
+    """ep 2 on 2 ranks (its default: a node's ranks): 4 experts per layer on each. Compiled as on GPUs
+    (dynamo traces each block; the traced graphs run as they are: PROBE_COMPILE_BACKEND)."""
     save_dir = tmp_path_factory.mktemp("ep")
-    return run(CHAPTER, save_dir, hf_home, faults=late_release(save_dir))
+    faults = {"PROBE_COMPILE_COUNTS": save_dir / "compile_counts.jsonl", "PROBE_COMPILE_BACKEND": "eager"}
+    return run(CHAPTER, save_dir, hf_home, "--compile", faults={**faults, **late_release(save_dir)})
 
 
 def test_ep_2_equals_fsdp_step_by_step(ep_run, fsdp_run, tmp_path):
@@ -83,6 +85,17 @@ def test_each_step_logs_the_experts_load(ep_run):
         logged = [metrics[step][f"experts/load_layer_{i}"] for i in range(4)]
         assert logged == pytest.approx(expected, abs=1e-6) and metrics[step]["experts/load"] == max(logged)
     assert metrics[STEPS]["experts/load"] > 1.2  # the tiny model's routers are far from balanced
+
+
+def test_the_blocks_compile_around_the_dispatch_and_never_recompile(ep_run):
+    """Each block is compiled, not whole: its graphs stop at the experts' call, whose dispatch runs eager
+    (torch.compiler.disable: its split sizes are read on the host), and go on after it. The graphs of the
+    first training step, and evaluation's after step 6, are all there ever are: the dispatch's varying
+    split sizes never reach a graph."""
+    counts = [json.loads(line) for line in (ep_run.parent / "compile_counts.jsonl").read_text().splitlines()]
+    graphs, breaks = [count["graphs"] for count in counts], [count["graph_breaks"] for count in counts]
+    assert graphs == [graphs[0]] * 6 + [graphs[6]] * (STEPS - 6) and graphs[6] > graphs[0] > 0, graphs
+    assert breaks[0] > 0 and breaks[:6] == [breaks[0]] * 6, breaks  # at the experts' call (and the probe's)
 
 
 def test_the_run_exits_0_when_gloo_lets_go_of_a_tensor_late(ep_run):

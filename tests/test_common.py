@@ -173,6 +173,23 @@ def test_flops_per_token_counts_every_matmul_once_tied_or_not():
     assert flops_per_token(model, config, 2048) == 6 * (1_235_814_400 - 33 * 2048) + 12 * 16 * 32 * 64 * 2048
 
 
+def test_flops_per_token_counts_the_experts_a_token_goes_through():
+    """A mixture of experts (the tiny Qwen3-MoE, chapter 09's default): each token through 2 of each layer's
+    8 experts (gate, up and down of width 64), not all 8, and not none (its stacked weights are no
+    nn.Linear)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from common import DEFAULT_MOE_MODEL, flops_per_token
+
+    config = AutoConfig.from_pretrained(DEFAULT_MOE_MODEL)
+    h, kv, expert, vocab, layers = 128, 4 * 16, 64, 512, 4
+    block = h * h + 2 * h * kv + h * h + 2 * 3 * h * expert  # q, k and v, o, 2 experts' gate/up/down
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert flops_per_token(model, config, 128) == 6 * (layers * block + vocab * h) + 12 * layers * 8 * 16 * 128
+
+
 @pytest.mark.parametrize(
     "name, peak",
     [

@@ -30,7 +30,7 @@ GPU_ARGS = ["--max-steps", str(STEPS), "--log-freq", "1", "--ckpt-freq", str(STE
 # Chapter 05 with its default --tp-size 1 (one GPU is enough); chapter 06 with real FP8 matmuls, in
 # every layer (the tiny default's are far too small for --fp8-layers fast, FP8 hardware's default).
 CHAPTERS = ["01-single-gpu", "02-multi-gpu", "03-multi-node", "04-fsdp", "05-tensor-parallel", "06-fp8",
-            "07-context-parallel", "08-pipeline-parallel"]  # fmt: skip
+            "07-context-parallel", "08-pipeline-parallel", "09-expert-parallel"]  # fmt: skip
 # Chapter 07 on the ring of the CUDA attention kernels wherever the GPUs pair up (one GPU: chapter 04's step).
 CP_SIZE = "2" if torch.cuda.device_count() % 2 == 0 else "1"
 # Chapter 08 with 2 stages (on 8 GPUs: 4 dp ranks each), or a stage per GPU on an odd count.
@@ -40,6 +40,9 @@ CHAPTER_ARGS = {"06-fp8": ["--fp8-layers", "all"], "07-context-parallel": ["--cp
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 TWO_GPUS = torch.cuda.device_count() >= 2
 NO_PIPELINE = "pipeline parallel needs 2 GPUs or more: its stages' sends and receives go between GPUs"
+# Chapter 09 with its default --ep-size, every GPU of the node: the all-to-alls go between GPUs over NCCL,
+# and the blocks compile around the dispatch (the CPU suite proves the graphs with an eager backend).
+NO_EXPERTS = "expert parallelism needs 2 GPUs or more: its all-to-alls send the tokens between GPUs"
 TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
 
 
@@ -83,7 +86,8 @@ def grouped(chapters):
     """Each chapter's tests in one xdist group, so that its reference run is made once."""
     no_fp8 = pytest.mark.skipif(not FP8_GPU, reason="chapter 06 needs FP8 matmuls (compute capability 8.9+)")
     no_pipeline = pytest.mark.skipif(not TWO_GPUS, reason=NO_PIPELINE)
-    skips = {"06-fp8": [no_fp8], "08-pipeline-parallel": [no_pipeline]}
+    no_experts = pytest.mark.skipif(not TWO_GPUS, reason=NO_EXPERTS)
+    skips = {"06-fp8": [no_fp8], "08-pipeline-parallel": [no_pipeline], "09-expert-parallel": [no_experts]}
     return [pytest.param(c, marks=[pytest.mark.xdist_group(c), *skips.get(c, [])]) for c in chapters]
 
 
@@ -218,6 +222,8 @@ def test_throughput_alone(chapter, tmp_path, hf_home):
         pytest.skip("chapter 06 needs FP8 matmuls (compute capability 8.9+)")
     if chapter == "08-pipeline-parallel" and not TWO_GPUS:
         pytest.skip(NO_PIPELINE)
+    if chapter == "09-expert-parallel" and not TWO_GPUS:
+        pytest.skip(NO_EXPERTS)
     _, exp_dir, _ = gpu_run(chapter, tmp_path, hf_home)
     metrics = read_metrics(exp_dir)[STEPS]
     print(f"\n{chapter} alone: {metrics['tokens_per_s']:,.0f} tokens/s, MFU {metrics['mfu']:.2%}, "
