@@ -83,6 +83,17 @@ def check_model(model: nn.Module, args, dtype: torch.dtype) -> list[nn.Module]:
     return layers
 
 
+def set_balancing_loss(config, args) -> None:
+    """The routers' load-balancing loss (Switch Transformer's: experts' token shares times their mean router
+    probabilities), which HF adds to the loss, times --aux-loss-coef (default: the config's), only when the
+    config asks for the router logits. Published configs (Qwen3-MoE's, Mixtral's) do not, as HF's Trainer
+    trains them; chapter 04 follows the config. Here it is on: a router left alone may send most tokens to
+    a few experts, and under EP their ranks then set everyone's pace. Its logits are collected by hooks
+    that dynamo cannot trace inside a block, which chapter 04 compiles whole and this chapter does not."""
+    coef = config.router_aux_loss_coef if args.aux_loss_coef is None else args.aux_loss_coef
+    config.output_router_logits, config.router_aux_loss_coef = coef > 0, coef
+
+
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """torch's clip_grad_norm_, over gradients on two meshes (the dense one and the experts'), which it
     refuses ("must have the same mesh"): the norm of each mesh's gradients, combined; then each scaled."""

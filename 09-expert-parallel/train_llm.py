@@ -90,6 +90,7 @@ def main():
     common.check_save_dir(args.save_dir)
     with common.rank0_first(local=args.node_local_cache):
         config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
+    experts.set_balancing_loss(config, args)  # the routers' load-balancing loss, in the loss
     # The export is in the model's published dtype (bf16 for most), read now: building in fp32 overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
@@ -543,6 +544,8 @@ def get_parser():
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     add("--ep-size", type=common.positive_int, default=local_ranks, help="ranks that split each layer's experts "
         "(default: a node's)")  # fmt: skip
+    add("--aux-loss-coef", type=common.non_negative_float, help="weight of the routers' balancing loss (default: "
+        "the config's; 0: none)")  # fmt: skip
     parser.set_defaults(model_name=common.DEFAULT_MOE_MODEL)
     return parser
 

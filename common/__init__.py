@@ -9,7 +9,7 @@ for name in ["torchao", "torch.utils._pytree"]:
     logging.getLogger(name).setLevel(logging.ERROR)
 
 # The chapters call these as common.<name>.
-from common.args import base_parser, non_negative_int, positive_float, positive_int
+from common.args import base_parser, non_negative_float, non_negative_int, positive_float, positive_int
 from common.checkpoints import AsyncCheckpoints, check_resume, check_save_dir, checkpoint_dir, latest_checkpoint
 from common.checkpoints import loading, publish_checkpoint, rng_state, saving, set_rng_state
 from common.data import DEFAULT_DATASET, load_and_pack

@@ -63,10 +63,6 @@ def load_config_and_tokenizer(model_name: str, seq_length: int):
         )
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: {flag}: its tokenizer has no EOS token to end each document with")
-    # A mixture of experts trains with its routers' load-balancing loss, which HF adds to the loss (times the
-    # config's router_aux_loss_coef) only when asked: without it, a router may send most tokens to few experts.
-    if hasattr(config, "output_router_logits"):
-        config.output_router_logits = True
     return config, tokenizer
 
 

@@ -11,6 +11,8 @@ chapter's own checks, and one under torchrun for its last line.
 """
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,15 +23,33 @@ from model_families import WIDTHS
 CHAPTER = "09-expert-parallel"
 STEPS = 12
 MOE = str(REPO / "common" / "tiny_moe")
-ARGS = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", "6", "--keep-checkpoints", "4", "--model-name", MOE]
+ARGS = [*FAST_ARGS, "--max-steps", str(STEPS), "--ckpt-freq", "6", "--keep-checkpoints", "4"]
 FOUR_RANKS = ["--batch-size", "2"]  # 4 ranks x 2 rows: the same 8 rows per step as 2 x 4
 
 
+MODEL = []  # --model-name: the tiny MoE with its balancing loss (balanced_moe)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def balanced_moe(tmp_path_factory):
+    """The tiny MoE with its routers' balancing loss asked for in its config (output_router_logits), at
+    chapter 09's default weight (the config's, 0.001): chapter 04 follows the config, so both chapters
+    train the same objective. Every run of this module trains it."""
+    folder = tmp_path_factory.mktemp("balanced_moe")
+    for file in Path(MOE).iterdir():
+        shutil.copy(file, folder)
+    fields = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**fields, "output_router_logits": True}))
+    MODEL[:] = ["--model-name", str(folder)]
+    yield folder
+    MODEL.clear()
+
+
 def run(chapter, save_dir, hf_home, *args, nproc=2, faults=None, **kwargs):
-    """`chapter` on the tiny MoE, its router calls counted: the run's folder."""
+    """`chapter` on the tiny MoE with its balancing loss, its router calls counted: the run's folder."""
     faults = {"PROBE_EXPERT_COUNTS": save_dir, **(faults or {})}
-    run_chapter(chapter, *ARGS, *args, "--save-dir", str(save_dir), nproc=nproc, hf_home=hf_home, faults=faults,
-                **kwargs)  # fmt: skip
+    run_chapter(chapter, *ARGS, *MODEL, *args, "--save-dir", str(save_dir), nproc=nproc, hf_home=hf_home,
+                faults=faults, **kwargs)  # fmt: skip
     return save_dir / chapter
 
 
@@ -140,7 +160,7 @@ def test_checkpoints_resume_in_04_and_after_a_kill(tmp_path, hf_home, ep_run, fs
 
     rewind(ep_run, tmp_path / "ep" / CHAPTER, step=6)
     proc = run_chapter(
-        CHAPTER, *ARGS, "--ckpt-freq", "7", "--save-dir", str(tmp_path / "ep"), nproc=2, hf_home=hf_home,
+        CHAPTER, *ARGS, *MODEL, "--ckpt-freq", "7", "--save-dir", str(tmp_path / "ep"), nproc=2, hf_home=hf_home,
         torchrun_args=("--max-restarts", "1"), env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
         faults={"FAULT_KILL_AT_STEP": 3, "FAULT_RANK": 1},
     )  # fmt: skip
@@ -262,3 +282,16 @@ def test_the_families_with_stacked_experts_are_taken(family):
     model = meta_model(config(family))
     layers = chapter.experts.check_model(model, chapter.get_parser().parse_args(["--ep-size", "2"]), torch.float32)
     assert len(layers) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("argv, on, coef", [([], True, 0.001), (["--aux-loss-coef", "0.01"], True, 0.01),
+                                            (["--aux-loss-coef", "0"], False, 0.0)])  # fmt: skip
+def test_the_balancing_loss_is_on_at_the_configs_weight_unless_told(argv, on, coef):
+    """The shipped tiny MoE's config, as Qwen3-MoE's published one, does not ask for the routers' logits
+    (output_router_logits false: chapter 04 trains it without the balancing loss); this chapter asks."""
+    from transformers import AutoConfig
+
+    chapter, model_config = load_chapter(), AutoConfig.from_pretrained(MOE)
+    assert model_config.output_router_logits is False
+    chapter.experts.set_balancing_loss(model_config, chapter.get_parser().parse_args(argv))
+    assert (model_config.output_router_logits, model_config.router_aux_loss_coef) == (on, coef)

@@ -9,7 +9,8 @@ key/value heads, MLP 14336) and 2 blocks, so that torchao's thresholds choose it
 they would for the real model, and a small vocabulary. What is checked: the local shapes of every
 weight and gradient, zero graph breaks, the collectives of a step by kind, group and bytes, FP8
 bytes where FP8 is all-gathered, and the bytes against what `python -m tools.plan` predicts; for
-chapter 07 (context parallel), also the bytes its ring attention sends.
+chapter 07 (context parallel), also the bytes its ring attention sends; for chapter 09 (expert
+parallel, at Qwen3-30B-A3B's widths), the bytes its all-to-alls send and its experts' FSDP.
 """
 
 import collections
@@ -70,6 +71,9 @@ class Collectives(torch.utils._python_dispatch.TorchDispatchMode):
             elif name == "all_to_all_single":  # (input, output splits, input splits, group): CP's ring
                 group = dist.distributed_c10d._resolve_process_group(args[3])
                 tensor, kind, n, splits = args[0], "all_to_all", group.size(), args[2] or [1] * group.size()
+            elif name == "alltoall_base_":  # dist.all_to_all_single: (out, in, group, splits...)
+                tensor, kind, n = args[1], "all_to_all", dist.ProcessGroup.unbox(args[2]).size()
+                group, splits = dist.ProcessGroup.unbox(args[2]), args[4] or [1] * n
             elif name == "_allgather_base_":  # FSDP: (output, input, group)
                 tensor, kind, n = args[1], "all_gather", args[0].numel() // args[1].numel()
             elif name == "_reduce_scatter_base_":
@@ -631,3 +635,113 @@ def test_pipeline_activations_held_as_the_planner_counts(pp, microbatches, fake_
         order = get_schedule_class(schedule)(stages if v > 1 else stages[0], microbatches).pipeline_order
         for rank, actions in order.items():
             assert held_at_once(actions) == in_flight(schedule, pp, v, microbatches, rank), (schedule, pp, rank)
+
+
+def uniform_router(self, hidden_states):
+    """Qwen3-MoE's router (Qwen3MoeTopKRouter.forward) choosing by position, alike on every rank:
+    token t's j-th expert is t + j E / k (mod E), so that each expert gets T k / E copies of a
+    rank's T tokens (T a multiple of E / k), each rank's experts T k / ep. The gates are still the
+    softmax of its logits, at those experts: its weight gets a gradient, as in a real step."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(hidden_states, self.weight)
+    tokens = torch.arange(len(hidden_states))[:, None]
+    spread = torch.arange(self.top_k) * (self.num_experts // self.top_k)
+    chosen = (tokens + spread) % self.num_experts
+    gates = logits.softmax(dim=-1, dtype=torch.float).gather(1, chosen)
+    return logits, (gates / gates.sum(dim=-1, keepdim=True)).to(logits.dtype), chosen
+
+
+def test_expert_parallel_sends_what_the_planner_counts(fake_world, monkeypatch, tmp_path):
+    """Chapter 09 at 2 nodes x 8 GPUs, --ep-size 8: the dense weights sharded over the 16 ranks
+    (mesh (1, 16)), each layer's experts split over the 8 ranks of a node, 16 each, sharded over
+    efsdp 2 (expert mesh (1, 2, 8)), at Qwen3-30B-A3B's widths (hidden 2048, 128 experts of width
+    768, 8 per token) with 2 blocks, a small vocabulary and full activation checkpointing, built by
+    the chapter's check_model and parallelize; one forward and backward of 32 tokens on rank 0.
+
+    The fake backend's collectives leave their outputs as allocated, and the dispatch reads its
+    split sizes from an all-to-all of the counts: two patches, in this test only, make the step the
+    one a real job of ranks routing alike runs, the chapter's code unchanged. The router picks
+    experts by position, evenly (uniform_router): the planner's assumption of uniform routing. And
+    dist.all_to_all_single (which only the count exchange calls: the tokens go through funcol)
+    then receives what it sends: with every rank routing alike, each receives from every rank as
+    many copies as it sends it.
+
+    Counted against `tools.plan`'s figures for this layout, within 1%: the tokens' all-to-alls over
+    the 8 ep ranks (dispatch and combine, in forward, backward and the recompute, 7/8 of each to
+    the other ranks), the experts' FSDP over the 2 efsdp ranks (their 16 gathered twice, their
+    gradients reduce-scattered), the dense weights' FSDP over all 16. The count exchange (128 int64
+    numbers per layer and forward: 1 KiB) is counted apart and left out, as by the planner."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from common import checkpoint_blocks, transformer_blocks
+    from tools.plan import Layout, count, plan
+
+    nodes, gpus_per_node, ep, seq = 2, 8, 8, 32
+    world = nodes * gpus_per_node
+    fake_world(world)
+    chapter = load("09-expert-parallel")
+    config = AutoConfig.from_pretrained(REPO / "tools" / "model_shapes" / "qwen3-30b-a3b")
+    config.num_hidden_layers, config.vocab_size, config.max_position_embeddings = 2, VOCAB, seq
+    experts = config.num_experts
+    config.output_router_logits = True
+    args = chapter.get_parser().parse_args(["--ep-size", str(ep), "--activation-checkpointing"])
+    chapter.experts.check_layout(args, world, world)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    names = ("replicate", "efsdp", "ep")
+    expert_mesh = init_device_mesh("cpu", (1, world // ep, ep), mesh_dim_names=names)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    checkpoint_blocks(transformer_blocks(model), args.activation_checkpointing)  # as main() does
+    blocks = transformer_blocks(model)
+    layers = chapter.experts.check_model(model, args, torch.float32)
+    chapter.parallelize(model, blocks, mesh, expert_mesh, args, torch.float32, use_compile=False)
+    model.to_empty(device="cpu")
+    random_weights(model)
+    # Each rank holds 128 / 16 experts of each expert weight: its 16 experts, halved by efsdp.
+    for layer in layers:
+        assert layer.num_experts == experts // ep
+        for name, param in layer.named_parameters():
+            assert param.to_local().shape[0] == experts // world, (name, param.placements)
+
+    monkeypatch.setattr(Qwen3MoeTopKRouter, "forward", uniform_router)
+    exchange = dist.all_to_all_single
+
+    def symmetric(output, input, *rest, **kwargs):
+        work = exchange(output, input, *rest, **kwargs)
+        output.copy_(input)
+        return work
+
+    monkeypatch.setattr(dist, "all_to_all_single", symmetric)
+    input_ids = torch.randint(0, VOCAB, (BATCH, seq))
+    with Collectives() as collectives:
+        model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
+    # Routed evenly: each of a layer's experts got T k / E copies of this rank's tokens.
+    for layer in layers:
+        assert layer.load.tolist() == [seq * config.num_experts_per_tok // experts] * experts
+    # Per layer: the counts (int64) exchanged in forward and its recompute; the tokens' copies
+    # (fp32) dispatched and combined in forward, recompute and backward.
+    n = len(layers)
+    assert collectives.calls[("all_to_all", ep, 8)] == 2 * n, collectives.calls
+    assert collectives.calls[("all_to_all", ep, 4)] == 6 * n, collectives.calls
+    assert {(kind, size) for kind, size, _ in collectives.calls} == {
+        ("all_to_all", ep), ("all_gather", world // ep), ("reduce_scatter", world // ep),
+        ("all_gather", world), ("reduce_scatter", world),
+    }, collectives.calls  # fmt: skip
+    sent = collections.Counter()
+    for (kind, size, element), sent_bytes in collectives.sent.items():
+        group = {ep: "ep", world // ep: "efsdp", world: "dense"}[size]
+        sent["counts" if element == 8 else group] += sent_bytes
+    assert sent["counts"] == 2 * n * 7 / 8 * experts * 8
+
+    config.save_pretrained(tmp_path)
+    layout = Layout("asked", world, checkpointing="full", gpus_per_node=gpus_per_node, ep=ep)
+    planned = plan(count(str(tmp_path)), layout, BATCH, seq, compute_bytes=4, fp8=False)
+    planned_dense = planned["sent_dp"] - planned["sent_experts_fsdp"]
+    print(f"\nall-to-all {sent['ep']:,.0f} B (planned {planned['sent_ep']:,.0f}), experts' FSDP "
+          f"over efsdp {sent['efsdp']:,.0f} B (planned {planned['sent_experts_fsdp']:,.0f}), dense "
+          f"FSDP {sent['dense']:,.0f} B (planned {planned_dense:,.0f})")  # fmt: skip
+    assert sent["ep"] == pytest.approx(planned["sent_ep"], rel=0.01)
+    assert sent["efsdp"] == pytest.approx(planned["sent_experts_fsdp"], rel=0.01)
+    assert sent["dense"] == pytest.approx(planned_dense, rel=0.01)

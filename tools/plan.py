@@ -41,6 +41,19 @@ that does. The formulas are those the chapter READMEs teach; this is the one pla
   chapter 07): each block's ring attention sends this rank's keys and values (key/value heads only,
   compute dtype) on cp - 1 times in forward and again in backward (and in full checkpointing's
   recompute), and their fp32 gradients cp times.
+- Experts (mixtures of experts: the config's num_experts, num_local_experts or n_routed_experts;
+  each layer's experts stacked, gate_up_proj (E, 2I, H) and down_proj (E, H, I)) are counted apart
+  from the dense weights. FSDP (chapter 04) gathers all E of a layer over the shard group, twice,
+  and reduce-scatters their gradients. EP (--ep-size ep, chapter 09) splits them over ep ranks,
+  E / ep on each, sharded over the efsdp = shard / ep ranks that hold the same ones: the same bytes
+  of state per GPU, but each layer gathers only its E / ep experts, over efsdp. Instead each rank's
+  T tokens (rows x seq-length) go as T x top-k copies of h values (compute dtype) to their experts'
+  ranks and back (all-to-all): (ep - 1) / ep of them leave the rank under uniform routing (the
+  busiest rank receives its experts' load over the mean times more: chapter 09 logs it as
+  experts/load), twice in forward (dispatch, combine), twice in backward, and twice again in the
+  recompute of full or selective checkpointing (neither keeps them). So EP sends fewer bytes than
+  FSDP below a number of tokens per GPU per micro-step, which the planner prints. Counted by the
+  test suite at 2 x 8 ranks (tests/test_real_layouts.py).
 - Through each NIC (one per GPU): NCCL runs a collective as flat rings, each entering and leaving
   every node once through a NIC of its own, so a group that spans nodes puts through each NIC what
   one GPU sends, divided by the group's GPUs in a node (8 for FSDP over nodes of 8, 1 for HSDP's
@@ -59,7 +72,9 @@ Llama 3.1 8B peaks on 8 and 128 GPUs (the README's "How to choose").
 """
 
 import argparse
+import dataclasses
 import functools
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +88,9 @@ import common  # noqa: F401  (first: it quiets torchao's import-time lines)
 # chapter 08's pipeline stages holds, and how many stages a rank runs, its module's.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "06-fp8"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "08-pipeline-parallel"))
+# Which modules hold a layer's stacked experts is chapter 09's rule, in its module.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "09-expert-parallel"))
+import experts  # noqa: E402
 import pipeline  # noqa: E402
 from torchao_fp8 import fp8_filter, local_linear  # noqa: E402
 
@@ -92,6 +110,7 @@ class Layout:
     pp: int = 1  # pipeline stages' ranks (chapter 08), the outer dimension: dp ranks hold each stage
     microbatches: int = 0  # per pipeline step (0: one per row, as chapter 08's default)
     schedule: str = "1F1B"  # chapter 08's --pp-schedule
+    ep: int = 1  # expert parallel (chapter 09): shard-group ranks that split a layer's experts
 
 
 @functools.cache  # a model's config does not change while the planner runs
@@ -113,6 +132,11 @@ def count(model_name: str) -> dict:
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    # A mixture of experts, as chapter 09 tells one: its layers' stacked experts, counted apart.
+    names = ("num_experts", "num_local_experts", "n_routed_experts")
+    routed = [getattr(config, name, None) for name in names]
+    moe = any(isinstance(n, int) and n > 1 for n in routed)
+    moe_layers = experts.experts_modules(model) if moe else []
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return {
         "params": sum(p.numel() for p in model.parameters()),
@@ -131,6 +155,13 @@ def count(model_name: str) -> dict:
         "vocab": config.vocab_size,
         "heads": heads,
         "kv_heads": kv_heads,
+        # Mixtures of experts (0 for a dense model): the layers of experts, each's E experts of
+        # width I (moe_intermediate_size), top_k of them per token, one layer's expert parameters.
+        "moe_layers": len(moe_layers),
+        "experts": moe_layers[0].num_experts if moe_layers else 0,
+        "top_k": config.num_experts_per_tok if moe_layers else 0,
+        "expert_width": getattr(config, "moe_intermediate_size", 0) if moe_layers else 0,
+        "expert_params": sum(p.numel() for p in moe_layers[0].parameters()) if moe_layers else 0,
     }
 
 
@@ -242,6 +273,39 @@ def loss_backward_bytes(m: dict, tokens: int, tp: int) -> float:
     return tokens * m["vocab"] * 8 / tp
 
 
+def expert_traffic(m: dict, layout: Layout, tokens: int, compute_bytes: int) -> dict:
+    """Chapter 09's experts on one GPU, per layer of experts and micro-step of `tokens` tokens (its
+    rows x seq-length): the bytes it sends by all-to-all (EP), by FSDP of its E / ep experts over
+    efsdp, and by FSDP of all E over the shard group (no EP); the tokens below which EP sends fewer
+    bytes than FSDP; what it holds of the experts: their state, all layers' (the same with EP or
+    without), and a layer's gathered (E / ep experts, or E)."""
+    ep, params = layout.ep, m["expert_params"]
+    shard = layout.shard or layout.gpus  # chapter 09 is built on 04: every rank takes its own rows
+    efsdp = shard // ep
+
+    def fsdp(ranks, weights):  # gathered in forward and backward, gradients reduce-scattered (fp32)
+        return (ranks - 1) / ranks * weights * (2 * compute_bytes + 4)
+
+    # Each token's top-k copies to their experts' ranks and back (dispatch, combine): in forward,
+    # their gradients in backward, and forward's again in the recompute (full or selective).
+    passes = 3 if layout.checkpointing else 2
+    per_token = 2 * passes * m["top_k"] * m["hidden"] * compute_bytes * (ep - 1) / ep
+    local, without_ep = fsdp(efsdp, params / ep), fsdp(shard, params)
+    held = m["moe_layers"] * params / shard
+    return {
+        "efsdp": efsdp,
+        "passes": passes,
+        "all_to_all": tokens * per_token,
+        "fsdp_local": local,
+        "fsdp_all": without_ep,
+        "break_even_tokens": (without_ep - local) / per_token if ep > 1 else math.inf,
+        "weights": 4 * held,
+        "gradients": 4 * held,
+        "optimizer": 8 * held,
+        "gathered": params / ep * compute_bytes,  # a layer's, while it computes
+    }
+
+
 def plan(
     m: dict, layout: Layout, batch_size: int, seq_length: int, compute_bytes: int, fp8: bool, compiled: bool = True
 ) -> dict:
@@ -261,6 +325,11 @@ def plan(
     ddp_buckets = 4 * p if not layout.sharded and n > 1 else 0
     state = {"weights": 4 * p / shards, "gradients": 4 * p / shards + ddp_buckets, "optimizer": 8 * p / shards}
     gathered = 2 * (m["block_params"] * compute_bytes - fp8_block * (compute_bytes - 1)) / t if layout.sharded else 0
+    experts_sent = None
+    if m["moe_layers"]:
+        experts_sent = expert_traffic(m, layout, batch_size * seq_length, compute_bytes)
+    if layout.ep > 1:  # EP: each block gathers E / ep of its experts, not all E
+        gathered -= 2 * m["expert_params"] * compute_bytes * (1 - 1 / layout.ep)
     tokens = batch_size * seq_length // layout.cp  # a cp rank keeps its slice of each row, and its slice's loss
     activations = activation_bytes(m, tokens, t, layout.checkpointing, compute_bytes, compiled)
     loss_backward = loss_backward_bytes(m, tokens, t)
@@ -279,6 +348,12 @@ def plan(
         data_parallel = shard_group + replicate
     else:
         shard_group, data_parallel = ring(dp) * 2 * 4 * p, ring(dp) * 2 * 4 * p
+    # EP: the experts' FSDP runs over efsdp (their shards' all-reduce between replicas: the same).
+    expert_group = 0.0
+    if layout.ep > 1:
+        shard_group -= m["moe_layers"] * experts_sent["fsdp_all"]
+        expert_group = m["moe_layers"] * experts_sent["fsdp_local"]
+        data_parallel = shard_group + expert_group + replicate
     # Bytes through each NIC, for a group that spans nodes. NCCL runs a collective as flat rings, several
     # at once (channels), each entering and leaving every node once, through a NIC of its own
     # (NVIDIA/nccl#412, #1313, #471): a node's NICs carry what one GPU sends, spread over the NICs of
@@ -292,6 +367,13 @@ def plan(
         network += shard_group / min(shard, dp_per_node)
     if across["replicate"]:
         network += replicate / max(g // (shard * t), 1)
+    # An efsdp group's ranks lie ep apart in the shard group: across its nodes when it spans them.
+    if across["shard"]:
+        network += expert_group / min(shard // layout.ep, max(g // layout.ep, 1))
+    # The all-to-all over ep consecutive ranks (a node's, or fewer): what goes to another node's
+    # ranks leaves through this GPU's NIC.
+    sent_ep = m["moe_layers"] * experts_sent["all_to_all"] if layout.ep > 1 else 0
+    network_ep = sent_ep * (layout.ep - g) / (layout.ep - 1) if layout.ep > g else 0
 
     def gather_bytes(*layers):  # FP8 when every layer the activation (or gradient) feeds is in FP8
         return 1 if all(layer in fp8_layers for layer in layers) else compute_bytes
@@ -318,9 +400,14 @@ def plan(
         "sent_dp": data_parallel,
         "sent_replicate": replicate,  # of sent_dp: between HSDP's groups
         "network_per_nic": network,  # of sent_dp, what crosses nodes, per NIC
-        "nvlink_dp": (0 if across["shard"] else shard_group) + (0 if across["replicate"] else replicate),
+        "nvlink_dp": (0 if across["shard"] else shard_group + expert_group)
+        + (0 if across["replicate"] else replicate),
         "sent_tp": tensor_parallel,
         "sent_cp": context_parallel,
+        "sent_ep": sent_ep,  # the experts' all-to-alls, all layers
+        "network_ep": network_ep,  # of sent_ep, through each NIC
+        "sent_experts_fsdp": expert_group,  # of sent_dp, the experts' FSDP over efsdp (EP)
+        "experts": experts_sent,  # per layer of experts (None for a dense model)
     }
 
 
@@ -442,6 +529,10 @@ def check(m: dict, layout: Layout, gpus_per_node: int, seq_length: int) -> str |
             return f"--pp-size {layout.pp} must divide the {layout.gpus} GPUs, without --tp-size or --cp-size"
         if m["layers"] < stages or m["tied"]:
             return f"--pp-size {layout.pp} cuts {stages} stages: the model needs as many blocks, and untied embeddings"
+    if layout.ep > 1:  # chapter 09's refusals (experts.check_layout, experts.check_model)
+        problem = check_experts(m, layout)
+        if problem:
+            return problem
     for name, value in [
         ("attention heads", m["heads"]),
         ("key/value heads", m["kv_heads"]),
@@ -452,10 +543,27 @@ def check(m: dict, layout: Layout, gpus_per_node: int, seq_length: int) -> str |
     return None
 
 
-def layouts(gpus: int, gpus_per_node: int) -> list[Layout]:
+def check_experts(m: dict, layout: Layout) -> str | None:
+    """Why chapter 09 cannot split the model's experts over --ep-size ranks of `layout`, or None."""
+    flag = f"--ep-size {layout.ep}"
+    if not m["moe_layers"]:
+        return f"{flag}: a dense model (no layer of routed experts): EP needs a mixture of experts"
+    if layout.tp > 1 or layout.cp > 1 or layout.pp > 1 or not layout.sharded:
+        others = "--tp-size, --cp-size, --pp-size or --ddp"
+        return f"{flag} is chapter 09's, built on 04 (FSDP): without {others}"
+    shard = layout.shard or layout.gpus
+    if shard % layout.ep:
+        return f"{flag} must divide the ranks that shard the model ({shard})"
+    if m["experts"] % layout.ep:
+        return f"{flag} must divide the model's {m['experts']} experts per layer"
+    return None
+
+
+def layouts(gpus: int, gpus_per_node: int, num_experts: int = 0) -> list[Layout]:
     """The chapters' layouts, simplest first: DDP, FSDP (and HSDP, a node per group, on several nodes),
     then FSDP x TP inside a node, each without and then with activation checkpointing, then FSDP x CP,
-    then, on several nodes, FSDP x PP with a stage per node (1F1B, one row per micro-batch)."""
+    then, on several nodes, FSDP x PP with a stage per node (1F1B, one row per micro-batch); for a
+    model of `num_experts` experts per layer, FSDP x EP over a node (chapter 09's default)."""
     options = [Layout("DDP (01-03)", gpus, sharded=False)]
     for tp in [1, 2, 4, 8]:
         if tp <= gpus_per_node and gpus % tp == 0:
@@ -473,6 +581,10 @@ def layouts(gpus: int, gpus_per_node: int) -> list[Layout]:
         pp = gpus // gpus_per_node
         options += [Layout(f"FSDP x PP {pp} (08)", gpus, pp=pp)]
         options += [Layout(f"FSDP x PP {pp} (08) + AC", gpus, checkpointing=True, pp=pp)]
+    ep = gpus_per_node
+    if num_experts and ep > 1 and num_experts % ep == 0 and gpus % ep == 0:
+        options += [Layout(f"FSDP x EP {ep} (09)", gpus, ep=ep)]
+        options += [Layout(f"FSDP x EP {ep} (09) + AC", gpus, checkpointing=True, ep=ep)]
     return options
 
 
@@ -487,6 +599,8 @@ def main(argv=None) -> None:
     parser.add_argument("--pp-schedule", choices=pipeline.SCHEDULES, default="1F1B")
     parser.add_argument("--pp-microbatches", type=int, default=0, help="per pipeline step (default: one per row)")
     parser.add_argument("--ddp", action="store_true", help="detail DDP instead of FSDP")
+    parser.add_argument("--ep-size", type=common.positive_int, default=1,
+                        help="expert parallel (09): ranks that split a layer's experts (1: FSDP)")
     parser.add_argument("--shard-size", type=int, default=0, help="HSDP: dp ranks per shard group (default: all)")
     parser.add_argument("--activation-checkpointing", nargs="?", const="full", choices=["full", "selective"])
     parser.add_argument("--batch-size", type=int, default=1, help="rows per replica per micro-step (pp: per GPU)")
@@ -506,8 +620,11 @@ def main(argv=None) -> None:
     gpus = args.nodes * args.gpus_per_node
     compute_bytes = 2 if args.dtype == "bfloat16" else 4
     chosen = Layout("asked", gpus, args.tp_size, not args.ddp, args.activation_checkpointing, args.shard_size, args.gpus_per_node,
-                    args.cp_size, args.pp_size, args.pp_microbatches, args.pp_schedule)  # fmt: skip
+                    args.cp_size, args.pp_size, args.pp_microbatches, args.pp_schedule,
+                    args.ep_size)  # fmt: skip
     problem = check(m, chosen, args.gpus_per_node, args.seq_length)
+    if args.ep_size > 1 and args.fp8 and not problem:
+        problem = f"--ep-size {args.ep_size} is chapter 09's, built on 04: without --fp8"
     rows, microbatches = args.pp_size * args.batch_size, args.pp_microbatches  # a pipeline step's
     if args.pp_size > 1 and microbatches and (rows % microbatches or microbatches < args.pp_size):
         problem = f"--pp-microbatches {microbatches} must divide the pipeline's {rows} rows, and be >= --pp-size"
@@ -535,7 +652,9 @@ def main(argv=None) -> None:
     if args.pp_size > 1:
         print_pipeline(result, args, kind, ac)
         return
-    print(f"Per GPU, {kind}, tp {args.tp_size}{f', cp {args.cp_size}' if args.cp_size > 1 else ''}{ac}:")
+    ep = f", ep {args.ep_size}" if args.ep_size > 1 else ""
+    cp = f", cp {args.cp_size}" if args.cp_size > 1 else ""
+    print(f"Per GPU, {kind}, tp {args.tp_size}{cp}{ep}{ac}:")
     for key in ["weights", "gradients", "optimizer", "gathered", "activations", "loss backward", "total"]:
         print(f"  {key:<13} {result[key] / GIB:8.2f} GiB")
     # A ring that crosses nodes runs at the pace of its NICs; one inside a node, of NVLink.
@@ -557,11 +676,13 @@ def main(argv=None) -> None:
         f"  checkpoint: {written / GIB:.2f} GiB written per GPU per save; --async-checkpoints (04-06) copies "
         f"{state / GIB:.2f} GiB per GPU to CPU memory first, {state * args.gpus_per_node / GIB:.0f} GiB per node\n"
     )
+    if m["moe_layers"] and not args.ddp and args.tp_size == args.cp_size == 1:
+        print_experts(m, chosen, result, args, compute_bytes)
 
     usable = 0.9 * args.gpu_memory_gib * GIB  # CUDA's context, allocator fragmentation, temporaries
     print(f"Layouts (fits: under 90% of {args.gpu_memory_gib:g} GiB):")
     fitting = None
-    for layout in layouts(gpus, args.gpus_per_node):
+    for layout in layouts(gpus, args.gpus_per_node, m["experts"]):
         if check(m, layout, args.gpus_per_node, args.seq_length):
             continue
         r = plan(m, layout, args.batch_size, args.seq_length, compute_bytes, args.fp8, args.compile)
@@ -575,6 +696,79 @@ def main(argv=None) -> None:
             "\nNone fits: fewer rows per step (--batch-size, with --grad-accum-steps for the same global batch), "
             "a shorter --seq-length, more GPUs, or --cpu-offload (chapter 04)."
         )
+
+
+def print_experts(m: dict, layout: Layout, result: dict, args, compute_bytes: int) -> None:
+    """Chapter 09's experts on the detailed layout: what each GPU holds of them, and what it sends
+    per layer of experts and micro-step, by all-to-all and by FSDP, against FSDP of every expert;
+    with --ep-size 1, what EP over a node would send instead."""
+    e, ep, shard = result["experts"], layout.ep, layout.shard or layout.gpus
+    tokens, experts_per_rank = args.batch_size * args.seq_length, m["experts"] // ep
+    mesh = f"EP {ep} (09), mesh {layout.gpus // shard} x {e['efsdp']} x {ep} (replicate, efsdp, ep)"
+    share = m["moe_layers"] * m["expert_params"] / m["params"]
+    print(
+        f"Experts, {mesh if ep > 1 else 'FSDP (04)'}: {m['moe_layers']} layers of {m['experts']}, "
+        f"{m['top_k']} per token, each 3 x {m['hidden']} x {m['expert_width']} "
+        f"({m['expert_params'] / 1e9:.2f}B per layer, {share:.0%} of the parameters)"
+    )
+    print(
+        f"  per GPU (of the figures above): weights {e['weights'] / GIB:.2f} GiB, gradients "
+        f"{e['gradients'] / GIB:.2f} GiB, optimizer {e['optimizer'] / GIB:.2f} GiB, as FSDP over "
+        f"{shard}: {experts_per_rank} experts of each layer, sharded over {e['efsdp']}; a layer's "
+        f"gathered {e['gathered'] / GIB:.2f} GiB ({experts_per_rank} experts)"
+    )
+    # The activation formula is a dense block's: HF's MoE blocks keep other tensors (not measured).
+    print(
+        f"  activations above: as a dense block's with the config's intermediate_size "
+        f"({m['mlp']}); the experts' own (top-k copies per token, the all-to-alls' buffers) "
+        "not counted"
+    )
+    if ep == 1:
+        print(
+            f"  sent per GPU per layer of experts and micro-step: FSDP of all {m['experts']} over "
+            f"{shard} ranks {e['fsdp_all'] / GIB:.2f} GiB; expert parallelism sends their tokens "
+            "instead: --ep-size"
+        )
+        hint = dataclasses.replace(layout, ep=args.gpus_per_node)  # chapter 09's default: a node
+        if hint.ep > 1 and not check_experts(m, hint):
+            e = expert_traffic(m, hint, tokens, compute_bytes)
+            print(
+                f"  with --ep-size {hint.ep}: all-to-all {e['all_to_all'] / GIB:.2f} GiB and FSDP "
+                f"over {e['efsdp']} {e['fsdp_local'] / GIB:.2f} GiB; fewer bytes than FSDP below "
+                f"{e['break_even_tokens']:,.0f} tokens per GPU per micro-step (here {tokens:,})"
+            )
+        print()
+        return
+    passes = ["forward", "backward", "recompute"][: e["passes"]]
+    print(f"  sent per GPU per layer of experts and micro-step ({tokens:,} tokens per GPU):")
+    print(
+        f"    all-to-all: {tokens:,} tokens x {m['top_k']} copies x {m['hidden']} x "
+        f"{compute_bytes} B, {ep - 1}/{ep} to other ranks (routing uniform), x 2 (dispatch, "
+        f"combine) x {len(passes)} ({', '.join(passes)}): {e['all_to_all'] / GIB:.2f} GiB"
+    )
+    print(
+        f"    FSDP of its {experts_per_rank} experts over efsdp {e['efsdp']} (gathered twice, "
+        f"gradients reduce-scattered): {e['fsdp_local'] / GIB:.2f} GiB"
+    )
+    print(
+        f"    EP in all {(e['all_to_all'] + e['fsdp_local']) / GIB:.2f} GiB, against FSDP of all "
+        f"{m['experts']} over {shard} ranks (no EP) {e['fsdp_all'] / GIB:.2f} GiB"
+    )
+    print(
+        f"  EP sends fewer bytes than FSDP below {e['break_even_tokens']:,.0f} tokens per GPU per "
+        f"micro-step (here {tokens:,})"
+    )
+    sent, network = result["sent_ep"], result["network_ep"]
+    best = network / 1e9 / args.network_gbps + (sent - network) / 1e9 / args.nvlink_gbps
+    print(
+        f"  all-to-all per step ({m['moe_layers']} layers): {sent / GIB:.2f} GiB per GPU, through "
+        f"each NIC {network / GIB:.2f} GiB (at best {best:.3f} s); its FSDP over efsdp is in the "
+        "'over dp' above"
+    )
+    print(
+        "  Routing assumed uniform: the busiest rank receives its experts' load over the mean "
+        "(chapter 09 logs experts/load) times its share, and its all-to-all's ranks wait for it\n"
+    )
 
 
 def print_pipeline(result: dict, args, kind: str, ac: str) -> None:
