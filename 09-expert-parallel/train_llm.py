@@ -370,7 +370,7 @@ def dispatch(layer, local_forward, group, hidden_states, top_k_index, top_k_weig
     # 1. The copies sorted by expert: a rank's experts are consecutive, so they are sorted by rank too.
     expert_ids = top_k_index.flatten()
     order = expert_ids.argsort(stable=True)
-    send_counts = torch.bincount(expert_ids, minlength=layer.num_experts * ep_size)
+    send_counts = expert_ids.new_zeros(layer.num_experts * ep_size).scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
     if layer.training and torch._C._current_graph_task_id() == -1:  # not checkpointing's recompute
         layer.load = layer.load + send_counts
     # 2. The counts exchanged: how many copies each rank receives for each of its experts. The split sizes
@@ -382,7 +382,7 @@ def dispatch(layer, local_forward, group, hidden_states, top_k_index, top_k_weig
     # 3. The copies to their experts' ranks, grouped by sender, then by expert.
     received = funcol.all_to_all_single_autograd(hidden_states[order // top_k], recv_splits, send_splits, group)
     local_ids = torch.arange(layer.num_experts, device=received.device).repeat(ep_size)
-    local_ids = local_ids.repeat_interleave(recv_counts)
+    local_ids = local_ids.repeat_interleave(recv_counts, output_size=sum(recv_splits))
     # 4. The local experts, each copy on one expert at weight 1 (the gates are applied back home). A rank that
     # received nothing runs them on one zero row, sliced away: grouped_mm's backward refuses 0 rows (torch
     # 2.13), and its experts then have gradients (zeros) for FSDP to reduce-scatter, as on every rank.

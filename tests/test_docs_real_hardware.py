@@ -13,7 +13,9 @@ written tomorrow is taken tomorrow. What the CPU cannot have is mapped, here and
 - a Hub dataset (or a corpus the docs made elsewhere) to the embedded one, its rows repeated 16 times:
   20M tokens, about alpaca's, so that a cluster's global batch (70B: 512 rows of 4,096) has its steps;
 - the GPU to the CPU: `--device cuda` (which 03's launchers add) is dropped, chapter 06 emulates FP8
-  (--fp8-emulate), and Transformer Engine is tests/fake_te.
+  (--fp8-emulate), Transformer Engine is tests/fake_te, and chapter 09 computes in bf16 (grouped_mm's
+  fake kernel, as the GPU's, takes nothing else; its all-to-all's split sizes, which fake tensors do not
+  have, are even: dry_run.py).
 
 Commands a CPU runs as written are tests/test_docs_walkthrough.py's, in the order a reader meets them.
 """
@@ -30,6 +32,7 @@ SHAPES = {
     "meta-llama/Llama-3.2-1B": "tools/llama_1b_shape",
     "meta-llama/Llama-3.1-8B": "tools/model_shapes/llama-3.1-8b",
     "meta-llama/Llama-3.1-70B": "tools/model_shapes/llama-3.1-70b",
+    "Qwen/Qwen3-30B-A3B": "tools/model_shapes/qwen3-30b-a3b",
     "/tmp/llama_1b_2_layers": "tools/llama_1b_shape",  # BENCHMARKS.md makes it from that shape (2 blocks)
 }
 DATASETS = {"tatsu-lab/alpaca": DEFAULT_DATASET, "/tmp/corpus/train.jsonl": DEFAULT_DATASET}
@@ -68,6 +71,8 @@ def mapped(run: ChapterRun) -> list[str]:
             out.append(arg)
     if run.chapter.startswith("06") and run.flag("--fp8-backend") != "te" and "--fp8-emulate" not in out:
         out.append("--fp8-emulate")
+    if run.chapter.startswith("09") and "--dtype" not in out:  # grouped_mm's fake kernel takes bf16 alone,
+        out += ["--dtype", "bfloat16"]  # as the GPU's does: the command computes in bf16 there by default
     return out
 
 

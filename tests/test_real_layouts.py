@@ -685,7 +685,6 @@ def test_expert_parallel_sends_what_the_planner_counts(fake_world, monkeypatch, 
     config = AutoConfig.from_pretrained(REPO / "tools" / "model_shapes" / "qwen3-30b-a3b")
     config.num_hidden_layers, config.vocab_size, config.max_position_embeddings = 2, VOCAB, seq
     experts = config.num_experts
-    config.output_router_logits = True
     args = chapter.get_parser().parse_args(["--ep-size", str(ep), "--activation-checkpointing"])
     chapter.experts.check_layout(args, world, world)
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))

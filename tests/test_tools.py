@@ -16,8 +16,8 @@ from tools.diff import base, chapters, render_block, updated_readme
 def test_chapter_readmes_embed_their_current_diff():
     found = chapters()
     assert found[0].name == "01-single-gpu"
-    # 07 and 08 build on 04.
-    assert [base(chapter).name for chapter in found[-3:]] == ["05-tensor-parallel", "04-fsdp", "04-fsdp"]
+    # 07, 08 and 09 build on 04.
+    assert [base(chapter).name for chapter in found[-4:]] == ["05-tensor-parallel", "04-fsdp", "04-fsdp", "04-fsdp"]
     for chapter in found[1:]:
         previous = base(chapter)
         readme = (chapter / "README.md").read_text()
@@ -407,6 +407,126 @@ def test_planner_counts_a_pipeline_stage_by_hand(capsys):
     assert "pp 8 (1F1B, 16 micro-batches)" in out and "bubble: 30.4% of each step idle" in out
     assert f"each stage {planned['sent_pp_each_way'] / GIB:.3f} GiB to the next and as much back" in out
 
+
+def test_planner_counts_expert_parallelism_by_hand(capsys):
+    """The tiny Qwen3-MoE of common/tiny_moe (4 layers of 8 experts of width 64, 2 per token, hidden
+    128) over 2 nodes of 4 GPUs, --ep-size 4 (chapter 09: each node's 4 ranks split a layer's
+    experts, 2 each, sharded over efsdp 2, a rank in each node), full checkpointing, 2 rows of 64
+    tokens per GPU, bf16. Each number by hand, and what EP changes against FSDP (--ep-size 1): not
+    the state per GPU."""
+    from tools.plan import GIB, Layout, count, main, plan
+
+    m = count(str(REPO / "common" / "tiny_moe"))
+    expert_params = 8 * (2 * 64 * 128 + 128 * 64)  # a layer's: gate_up (E, 2I, H), down (E, H, I)
+    assert (m["moe_layers"], m["experts"], m["top_k"], m["expert_width"]) == (4, 8, 2, 64)
+    assert m["expert_params"] == expert_params == 196_608
+    fsdp = plan(m, Layout("FSDP", 8, checkpointing=True, gpus_per_node=4), 2, 64, 2, False)
+    ep = plan(m, Layout("EP", 8, checkpointing=True, gpus_per_node=4, ep=4), 2, 64, 2, False)
+    e = ep["experts"]
+    tokens = 2 * 64
+    # Each token's 2 copies of 128 bf16 numbers, 3/4 to the other 3 ranks; dispatch and combine in
+    # forward, backward and the recompute.
+    assert e["all_to_all"] == tokens * 2 * 128 * 2 * 3 / 4 * 2 * 3 == 294_912
+    # FSDP: gathered twice in bf16, gradients reduce-scattered in fp32, (n - 1) / n of each: EP's 2
+    # experts over efsdp 2, or all 8 over the 8 ranks.
+    assert e["fsdp_local"] == 1 / 2 * expert_params / 4 * (2 * 2 + 4) == 196_608
+    assert e["fsdp_all"] == 7 / 8 * expert_params * (2 * 2 + 4) == 1_376_256
+    # EP sends fewer bytes while its all-to-alls (2,304 B a token) cost less than FSDP's it saves.
+    assert e["break_even_tokens"] == (1_376_256 - 196_608) / (294_912 / tokens) == 512
+    # Whatever ep and the shard group: 3 E I (2 x 2 + 4) / (2 x 3 passes x 2 per token x 2 B).
+    assert 3 * 8 * 64 * 8 / (2 * 3 * 2 * 2) == 512
+    for gpus, ep_size, shard in [(8, 2, 0), (8, 8, 0), (16, 4, 8), (16, 2, 4)]:
+        other = Layout("EP", gpus, checkpointing=True, shard=shard, ep=ep_size)
+        assert plan(m, other, 2, 64, 2, False)["experts"]["break_even_tokens"] == pytest.approx(512)
+    assert e["weights"] == e["gradients"] == 4 * 4 * expert_params / 8
+    assert e["optimizer"] == 2 * e["weights"]
+    assert all(ep[key] == fsdp[key] for key in ("weights", "gradients", "optimizer", "activations"))
+    # FSDP holds two blocks gathered: each with 2 experts of 8 under EP.
+    assert fsdp["gathered"] - ep["gathered"] == 2 * expert_params * 3 / 4 * 2
+    assert ep["sent_ep"] == 4 * 294_912 and fsdp["sent_ep"] == 0
+    assert ep["sent_experts_fsdp"] == 4 * 196_608
+    assert fsdp["sent_dp"] - ep["sent_dp"] == pytest.approx(4 * (1_376_256 - 196_608))
+    # The efsdp pairs cross the nodes, one GPU of each per node: all they send goes through its NIC.
+    # The ep ranks are a node's: their all-to-alls stay on NVLink. On nodes of 2, 2 of the 3 peers
+    # are in the other node.
+    assert ep["network_per_nic"] - fsdp["network_per_nic"] == pytest.approx(
+        4 * 196_608 - 4 * 1_376_256 / 4
+    )
+    assert ep["network_ep"] == 0
+    two = plan(m, Layout("EP", 8, checkpointing=True, gpus_per_node=2, ep=4), 2, 64, 2, False)
+    assert two["network_ep"] == pytest.approx(4 * 294_912 * 2 / 3)
+
+    main([str(REPO / "common" / "tiny_moe"), "--nodes", "2", "--gpus-per-node", "4",
+          "--ep-size", "4", "--batch-size", "2", "--seq-length", "64",
+          "--activation-checkpointing"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "Per GPU, FSDP, tp 1, ep 4, full AC:" in out
+    assert "Experts, EP 4 (09), mesh 1 x 2 x 4 (replicate, efsdp, ep): 4 layers of 8" in out
+    assert "x 2 (dispatch, combine) x 3 (forward, backward, recompute)" in out
+    assert "fewer bytes than FSDP below 512 tokens per GPU per micro-step (here 128)" in out
+    assert "FSDP x EP 4 (09) + AC" in out and f"{ep['sent_dp'] / GIB:.2f} GiB per GPU" in out
+
+
+def test_planner_counts_qwen3_30b_a3b_expert_parallel(capsys):
+    """Qwen3-30B-A3B (48 layers of 128 experts of width 768, 8 per token, hidden 2048) over 2 nodes
+    of 8, --ep-size 8, 2 x 4,096 tokens per GPU with full checkpointing: each layer's 16 local
+    experts gathered over efsdp 2 and 8,192 tokens' copies sent, against all 128 gathered over 16
+    ranks. EP sends fewer bytes below 24,576 tokens per GPU; it holds the same state as FSDP."""
+    from tools.plan import main
+
+    main([str(REPO / "tools" / "model_shapes" / "qwen3-30b-a3b"), "--nodes", "2",
+          "--gpus-per-node", "8", "--ep-size", "8", "--batch-size", "2", "--seq-length", "4096",
+          "--activation-checkpointing"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "48 layers of 128, 8 per token, each 3 x 2048 x 768 (0.60B per layer" in out
+    assert "weights 6.75 GiB, gradients 6.75 GiB, optimizer 13.50 GiB, as FSDP over 16" in out
+    assert "(forward, backward, recompute): 1.31 GiB" in out and "efsdp 2" in out
+    assert "EP in all 1.59 GiB, against FSDP of all 128 over 16 ranks (no EP) 4.22 GiB" in out
+    assert "below 24,576 tokens per GPU per micro-step (here 8,192)" in out
+
+
+@pytest.mark.parametrize(
+    "model, argv, words",
+    [
+        ("tiny_llama", ["--ep-size", "2"], "--ep-size 2: a dense model (no layer of routed"),
+        ("tiny_moe", ["--ep-size", "3"], "--ep-size 3 must divide the ranks that shard the model"),
+        ("tiny_moe", ["--nodes", "2", "--shard-size", "4", "--ep-size", "8"],
+         "--ep-size 8 must divide the ranks that shard the model (4)"),
+        ("tiny_moe", ["--nodes", "2", "--ep-size", "16"], "--ep-size 16 must divide the model's 8"),
+        ("tiny_moe", ["--ep-size", "2", "--tp-size", "2"], "--ep-size 2 is chapter 09's, built on"),
+        ("tiny_moe", ["--ep-size", "2", "--ddp"], "without --tp-size, --cp-size, --pp-size or"),
+        ("tiny_moe", ["--ep-size", "2", "--fp8"], "built on 04: without --fp8"),
+    ],
+)  # fmt: skip
+def test_planner_refuses_impossible_expert_parallelism(model, argv, words):
+    from tools.plan import main
+
+    with pytest.raises(SystemExit) as exit:
+        main([str(REPO / "common" / model), *argv])
+    assert str(exit.value.code).startswith("error: ") and words in str(exit.value.code)
+
+
+def test_planner_says_nothing_of_experts_for_a_dense_model(capsys):
+    """A dense model counts no expert, and its plan and output are those of before --ep-size: no
+    experts' section, no EP layout, nothing sent by all-to-all."""
+    from tools.plan import Layout, count, main, plan
+
+    m = count(str(REPO / "tools" / "model_shapes" / "llama-3.1-8b"))
+    assert (m["moe_layers"], m["experts"], m["top_k"], m["expert_params"]) == (0, 0, 0, 0)
+    planned = plan(m, Layout("FSDP", 16), 2, 4096, 2, False)
+    assert "experts" not in planned and planned["sent_ep"] == planned["sent_experts_fsdp"] == 0
+    main([str(REPO / "tools" / "model_shapes" / "llama-3.1-8b"), "--nodes", "2",
+          "--batch-size", "2", "--seq-length", "4096"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "Per GPU, FSDP, tp 1:\n" in out and "xpert" not in out and "EP" not in out, out
+    layouts = out.split("Layouts")[1].splitlines()[1:]
+    names = [line.split("  ")[1] for line in layouts if line.startswith("  ")]
+    assert names == [
+        "DDP (01-03)", "FSDP (04)", "FSDP (04) + SAC", "FSDP (04) + AC", "HSDP (04)",
+        *[f"FSDP x TP {tp} (05){ac}" for tp in (2, 4, 8) for ac in ("", " + SAC", " + AC")],
+        *[f"FSDP x CP {cp} (07) + AC" for cp in (2, 4, 8)],
+        "FSDP x PP 2 (08)", "FSDP x PP 2 (08) + AC",
+    ]  # fmt: skip
 
 def test_planner_puts_a_ceiling_on_fp8_above_what_an_h100_measured(capsys):
     """FP8's ceiling by torchao's roofline model, for the runs BENCHMARKS.md measured on one H100 (2026-11-26):

@@ -52,8 +52,11 @@ that does. The formulas are those the chapter READMEs teach; this is the one pla
   busiest rank receives its experts' load over the mean times more: chapter 09 logs it as
   experts/load), twice in forward (dispatch, combine), twice in backward, and twice again in the
   recompute of full or selective checkpointing (neither keeps them). So EP sends fewer bytes than
-  FSDP below a number of tokens per GPU per micro-step, which the planner prints. Counted by the
-  test suite at 2 x 8 ranks (tests/test_real_layouts.py).
+  FSDP below T = 3 E I (2 c + 4) / (2 p top-k c) tokens per GPU per micro-step, c the compute
+  dtype's bytes and p those passes (bf16, full checkpointing: 2 E I / top-k), whatever ep and the
+  shard group: what EP saves of FSDP's bytes and what it sends both scale as (ep - 1) / ep. Its
+  activations are not modelled: the formula above is a dense block's, with the config's
+  intermediate_size.
 - Through each NIC (one per GPU): NCCL runs a collective as flat rings, each entering and leaving
   every node once through a NIC of its own, so a group that spans nodes puts through each NIC what
   one GPU sends, divided by the group's GPUs in a node (8 for FSDP over nodes of 8, 1 for HSDP's
@@ -66,8 +69,8 @@ it, as backward frees the activations: a margin of up to 4 bytes per parameter p
 Checked by the test suite against what chapters 02, 04 and 05 measure on the CPU (each rank's
 weights, gradients and AdamW state), against the tensors HF's Llama saves for backward (eager and
 compiled, fp32 and bf16; with full and with selective checkpointing, what stays alive after forward)
-and the bytes the loss's backward holds, against the collectives chapters 05, 06 and 07 issue at
-a cluster's layouts (tests/test_real_layouts.py), and against torchtitan's published
+and the bytes the loss's backward holds, against the collectives chapters 05 to 09 issue at a
+cluster's layouts (tests/test_real_layouts.py), and against torchtitan's published
 Llama 3.1 8B peaks on 8 and 128 GPUs (the README's "How to choose").
 """
 
@@ -407,8 +410,7 @@ def plan(
         "sent_ep": sent_ep,  # the experts' all-to-alls, all layers
         "network_ep": network_ep,  # of sent_ep, through each NIC
         "sent_experts_fsdp": expert_group,  # of sent_dp, the experts' FSDP over efsdp (EP)
-        "experts": experts_sent,  # per layer of experts (None for a dense model)
-    }
+    } | ({"experts": experts_sent} if experts_sent else {})  # per layer of experts (none for a dense model)
 
 
 def pipeline_plan(
@@ -561,12 +563,13 @@ def check_experts(m: dict, layout: Layout) -> str | None:
 
 def layouts(gpus: int, gpus_per_node: int, num_experts: int = 0) -> list[Layout]:
     """The chapters' layouts, simplest first: DDP, FSDP (and HSDP, a node per group, on several nodes),
-    then FSDP x TP inside a node, each without and then with activation checkpointing, then FSDP x CP,
+    then FSDP x TP inside a node (not for experts, which chapter 05 refuses), each without and then with
+    activation checkpointing, then FSDP x CP,
     then, on several nodes, FSDP x PP with a stage per node (1F1B, one row per micro-batch); for a
     model of `num_experts` experts per layer, FSDP x EP over a node (chapter 09's default)."""
     options = [Layout("DDP (01-03)", gpus, sharded=False)]
-    for tp in [1, 2, 4, 8]:
-        if tp <= gpus_per_node and gpus % tp == 0:
+    for tp in [1, 2, 4, 8]:  # chapter 05's plans shard nn.Linear layers: not a mixture's stacked experts
+        if tp <= gpus_per_node and gpus % tp == 0 and (tp == 1 or not num_experts):
             chapter = "FSDP (04)" if tp == 1 else f"FSDP x TP {tp} (05)"
             options += [Layout(chapter, gpus, tp), Layout(chapter + " + SAC", gpus, tp, checkpointing="selective")]
             options += [Layout(chapter + " + AC", gpus, tp, checkpointing=True)]
@@ -756,7 +759,8 @@ def print_experts(m: dict, layout: Layout, result: dict, args, compute_bytes: in
     )
     print(
         f"  EP sends fewer bytes than FSDP below {e['break_even_tokens']:,.0f} tokens per GPU per "
-        f"micro-step (here {tokens:,})"
+        f"micro-step (here {tokens:,}), whatever --ep-size: what it saves and what it sends both "
+        "scale as (ep - 1) / ep"
     )
     sent, network = result["sent_ep"], result["network_ep"]
     best = network / 1e9 / args.network_gbps + (sent - network) / 1e9 / args.nvlink_gbps
