@@ -12,7 +12,7 @@ import transformers
 from tools.memory import load  # a chapter's script as a module
 
 VOCAB = 512
-FIRST_GRAD_NORMS = {}  # (family, tp, cp): the first step's gradient norm, before AdamW moves anything
+FIRST_GRAD_NORMS = {}  # (family, tp, cp, ep): the first step's gradient norm, before AdamW moves anything
 WIDTHS = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=1, pad_token_id=None,
@@ -35,9 +35,10 @@ def config(family):
     return cls(**{**WIDTHS, **extra})
 
 
-def train(family, mesh, tp, cp=1):
+def train(family, mesh, tp, cp=1, ep=1):
     """3 AdamW steps of 2 rows x 64 tokens per replica, from the same weights; the losses. With `cp` 2:
-    chapter 07's context parallel, one replica of 4 rows, each row's tokens split over the 2 ranks."""
+    chapter 07's context parallel, one replica of 4 rows, each row's tokens split over the 2 ranks. With `ep`
+    2: chapter 09's expert parallel, each rank 2 rows and half of each layer's experts (or its refusal)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
     from torch.distributed.tensor import DTensor
@@ -50,7 +51,8 @@ def train(family, mesh, tp, cp=1):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config(family), dtype=torch.float32)
     blocks = transformer_blocks(model)
-    chapter = load("05-tensor-parallel" if tp > 1 else "07-context-parallel" if cp > 1 else "04-fsdp")
+    chapter = load("05-tensor-parallel" if tp > 1 else "07-context-parallel" if cp > 1 else
+                   "09-expert-parallel" if ep > 1 else "04-fsdp")  # fmt: skip
     if tp > 1:
         chapter.apply_tp(model, blocks, mesh["tp"])
     if cp > 1:  # its refusals, the attention function the ring runs, the CPU's kernel on the ring
@@ -58,7 +60,15 @@ def train(family, mesh, tp, cp=1):
         chapter.cpu_ring_attention.register(torch.device("cpu"))
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     fsdp_mesh = mesh["dp"] if tp > 1 else mesh["cp"] if cp > 1 else mesh  # cp: FSDP over dp x cp, here 1 x 2
-    chapter.apply_fsdp(model, blocks, fsdp_mesh, mp_policy, OffloadPolicy())
+    if ep > 1:  # its refusals, the experts over the ep mesh (efsdp 1), then FSDP on both meshes
+        from torch.distributed.device_mesh import init_device_mesh
+
+        layers = chapter.experts.check_model(model, chapter.get_parser().parse_args(["--ep-size", "2"]), torch.float32)
+        expert_mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("replicate", "efsdp", "ep"))
+        chapter.apply_expert_parallel(model, expert_mesh["ep"])
+        chapter.apply_fsdp(model, blocks, fsdp_mesh, expert_mesh["efsdp"], mp_policy, OffloadPolicy())
+    else:
+        chapter.apply_fsdp(model, blocks, fsdp_mesh, mp_policy, OffloadPolicy())
     model.to_empty(device="cpu")
     set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
     for name, buffer in model.named_buffers():  # as the chapters do, for buffers TP made DTensors too
@@ -83,14 +93,19 @@ def train(family, mesh, tp, cp=1):
             with loss_parallel():
                 loss = load_loss()(model(input_ids=batch, use_cache=False).logits, batch)
                 loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if ep > 1:  # the chapter's train_step: its experts' gradients over ep, the norm over both meshes
+            for param in (p for layer in layers for p in layer.parameters()):
+                param.grad.div_(ep)
+            norm = chapter.experts.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         grad_norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
         optimizer.step()
         optimizer.zero_grad()
         total = loss.detach().clone()
         torch.distributed.all_reduce(total)
         losses.append(total.item() / 2)
-    FIRST_GRAD_NORMS[family, tp, cp] = grad_norms[0]
+    FIRST_GRAD_NORMS[family, tp, cp, ep] = grad_norms[0]
     return losses
 
 
@@ -110,9 +125,14 @@ if __name__ == "__main__":
             results[family]["tp"] = train(family, init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")), tp=2)
         try:  # chapter 07's cp 2, or its refusal
             results[family]["cp"] = train(family, init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "cp")), 1, cp=2)
-            results[family]["grad_norms"] = [FIRST_GRAD_NORMS[family, 1, 1], FIRST_GRAD_NORMS[family, 1, 2]]
+            results[family]["grad_norms"] = [FIRST_GRAD_NORMS[family, 1, 1, 1], FIRST_GRAD_NORMS[family, 1, 2, 1]]
         except SystemExit as refused:
             results[family]["cp"] = str(refused.code)
+        try:  # chapter 09's ep 2, or its refusal
+            results[family]["ep"] = train(family, init_device_mesh("cpu", (2,)), 1, ep=2)
+            results[family]["ep_grad_norms"] = [FIRST_GRAD_NORMS[family, 1, 1, 1], FIRST_GRAD_NORMS[family, 1, 1, 2]]
+        except SystemExit as refused:
+            results[family]["ep"] = str(refused.code)
     if dist.get_rank() == 0:
         print(json.dumps(results))
     dist.destroy_process_group()

@@ -18,6 +18,7 @@ REFUSED_BY_05 = {
     "gpt2": "this one has no ['model.embed_tokens', 'model.norm', 'self_attn', 'self_attn.q_proj'",
     "qwen2_moe": "this one has no ['mlp.gate_proj', 'mlp.up_proj', 'mlp.down_proj']",
 }
+MOE_FAMILIES = ["qwen2_moe"]  # chapter 09's: the others have no experts to spread
 REFUSED_BY_07 = {"gemma3_text": "it has sliding_attention layers", "gpt2": "it drops attention weights"}
 
 
@@ -49,6 +50,22 @@ def test_chapter_07_trains_the_family_as_chapter_04(family, family_losses):
     assert max(abs(a - b) for a, b in zip(fsdp[:2], cp[:2])) <= 1e-6, (fsdp, cp)
     fsdp_norm, cp_norm = family_losses[family]["grad_norms"]
     assert abs(fsdp_norm - cp_norm) <= 1e-6, (fsdp_norm, cp_norm)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_chapter_09_trains_the_family_as_chapter_04(family, family_losses):
+    """ep 2 on 2 ranks of 2 rows, each rank half of each layer's experts, the tokens sent to them and back:
+    chapter 04's losses and first gradient norm (the experts' gradients divided by ep, the norm over
+    the dense and the experts' meshes) within 1e-5."""
+    fsdp, ep = family_losses[family]["fsdp"], family_losses[family]["ep"]
+    assert max(abs(a - b) for a, b in zip(fsdp, ep)) <= 1e-5, (fsdp, ep)
+    fsdp_norm, ep_norm = family_losses[family]["ep_grad_norms"]
+    assert abs(fsdp_norm - ep_norm) <= 1e-5 * fsdp_norm, (fsdp_norm, ep_norm)
+
+
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family not in MOE_FAMILIES])
+def test_chapter_09_refuses_a_dense_family(family, family_losses):
+    assert "is a dense model (no layer of routed experts)" in family_losses[family]["ep"]
 
 
 @pytest.mark.parametrize("family", REFUSED_BY_07)
