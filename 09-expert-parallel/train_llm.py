@@ -1,5 +1,6 @@
 """Chapter 09: expert parallelism on chapter 04: each mixture-of-experts layer's experts spread over
---ep-size ranks, and each token sent to the ranks of the experts its router chose, and back (all-to-all).
+--ep-size ranks, and each token sent to the ranks of the experts its router chose, and back
+(all-to-all).
 
     torchrun --standalone --nproc-per-node gpu 09-expert-parallel/train_llm.py
 
@@ -76,9 +77,9 @@ def main():
     if world_size % shard_size:
         raise SystemExit(f"error: --shard-size {shard_size} must divide the number of ranks ({world_size})")
     mesh = init_device_mesh(device.type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
-    # The experts' mesh, over the same ranks: each shard group split into groups of --ep-size consecutive
-    # ranks (a node's, on GPUs), which hold one copy of every expert between them; FSDP shards each expert
-    # over the efsdp ranks that hold the same ones.
+    # The experts' mesh, over the same ranks: each shard group split into groups of --ep-size
+    # consecutive ranks (a node's, on GPUs), which hold one copy of every expert between them; FSDP
+    # shards each expert over the efsdp ranks that hold the same ones.
     experts.check_layout(args, world_size, shard_size)
     expert_mesh = init_device_mesh(
         device.type, (world_size // shard_size, shard_size // args.ep_size, args.ep_size),
@@ -132,7 +133,7 @@ def main():
     del full_model
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(f"{num_params:,} parameters, sharded over {shard_size} ranks")  # a DTensor counts its full size
-    logger.info(f"{len(moe_layers)} layers of experts, each expert on 1 of {args.ep_size} ranks (--ep-size)")
+    logger.info(f"{len(moe_layers)} layers of experts, each on 1 of {args.ep_size} ranks")
 
     # --- 5. Optimizer and LR schedule ---
     params = common.adamw_param_groups(model, args.weight_decay)
@@ -201,7 +202,8 @@ def main():
 
             for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
                 loss, grad_norm = train_step(
-                    model, moe_layers, batches, optimizer, lr_scheduler, args, timers, autocast, device
+                    model, moe_layers, batches, optimizer, lr_scheduler, args, timers, autocast,
+                    device,
                 )
 
                 state["global_step"] += 1
@@ -230,7 +232,7 @@ def main():
                         **timings,
                         **common.memory_stats(device),
                         **common.shard_memory(model, optimizer),
-                        **experts.load_metrics(moe_layers),  # the busiest expert sets the step's pace
+                        **experts.load_metrics(moe_layers),  # the busiest expert sets the pace
                     }
                     if peak_flops:
                         metrics["mfu"] = steps_since_log * flops_per_step / elapsed / (world_size * peak_flops)
@@ -297,8 +299,9 @@ def train_step(model, moe_layers, batches, optimizer, lr_scheduler, args, timers
     step_loss /= dist.get_world_size()
 
     with timers("optimizer"):
-        # An expert's gradient sums those of the tokens that ep ranks sent it, and FSDP averaged it over the
-        # efsdp and replicate ranks only: divided by ep, it is the mean over all ranks, as the dense ones are.
+        # An expert's gradient sums those of the tokens that ep ranks sent it, and FSDP averaged it
+        # over the efsdp and replicate ranks only: divided by ep, it is the mean over all ranks, as
+        # the dense ones are.
         for param in (p for layer in moe_layers for p in layer.parameters()):
             param.grad.div_(args.ep_size)
         grad_norm = experts.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -333,25 +336,28 @@ def send_full_weights(model, full_model, device):
 
 def parallelize(model, blocks, mesh, expert_mesh, args, dtype, use_compile):
     """What the chapter does to the model, in the order it must be done (torchtitan's parallelize_llama
-    is the model; main() has switched on activation checkpointing): experts on their ranks, compile, then FSDP."""
+    is the model; main() has switched on activation checkpointing): experts on their ranks, compile,
+    then FSDP."""
     apply_expert_parallel(model, expert_mesh["ep"])
     if use_compile:
-        # Each block on its own, FSDP's hooks between blocks outside the compiled code; not whole (fullgraph):
-        # the dispatch reads its split sizes on the host and runs eager, between the block's graphs.
+        # Each block on its own, FSDP's hooks between blocks outside the compiled code; not whole
+        # (fullgraph): the dispatch reads its split sizes on the host and runs eager, between the
+        # block's graphs, as do transformers' hooks that collect the router logits.
         for block in blocks:
             block.compile()
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
     # A 2-D mesh is HSDP to fully_shard; with one group, its 1-D shard dimension is plain FSDP.
     fsdp_mesh = mesh if mesh["replicate"].size() > 1 else mesh["shard"]
-    expert_fsdp_mesh = expert_mesh["replicate", "efsdp"] if mesh["replicate"].size() > 1 else expert_mesh["efsdp"]
+    hsdp = mesh["replicate"].size() > 1
+    expert_fsdp_mesh = expert_mesh["replicate", "efsdp"] if hsdp else expert_mesh["efsdp"]
     apply_fsdp(model, blocks, fsdp_mesh, expert_fsdp_mesh, mp_policy, offload_policy)
 
 
 def apply_expert_parallel(model, ep_mesh):
-    """Each layer's experts split over the ep ranks: every weight's dim 0 (experts) a DTensor sharded on the ep
-    mesh, so that checkpoints keep chapter 04's names and full shapes; each rank runs its own E / ep experts,
-    reached through dispatch()."""
+    """Each layer's experts split over the ep ranks: every weight's dim 0 (experts) a DTensor
+    sharded on the ep mesh, so that checkpoints keep chapter 04's names and full shapes; each rank
+    runs its own E / ep experts, reached through dispatch()."""
     for layer in experts.experts_modules(model):
         for name, param in layer.named_parameters(recurse=False):
             sharded = distribute_tensor(param, ep_mesh, [Shard(0)], src_data_rank=None)
@@ -359,36 +365,41 @@ def apply_expert_parallel(model, ep_mesh):
         layer.num_experts //= ep_mesh.size()  # HF's experts forward counts its own: the local ones
         layer.load = 0  # tokens per expert since the last log (experts.load_metrics)
         forward = functools.partial(dispatch, layer, layer.forward, ep_mesh.get_group())
-        layer.forward = torch.compiler.disable(forward)  # data-dependent sizes: eager (see parallelize)
+        layer.forward = torch.compiler.disable(forward)  # sizes known at run time: eager
 
 
 def dispatch(layer, local_forward, group, hidden_states, top_k_index, top_k_weights):
-    """The experts' forward under EP, as torchtitan's token dispatcher and transformers' AllToAllEP do it: each
-    token's top-k copies go to the ranks holding their experts, are computed there and come back, weighed
-    by the router's gates. Autograd's all-to-all sends their gradients back over the reversed splits."""
+    """The experts' forward under EP, as torchtitan's token dispatcher and transformers' AllToAllEP
+    do it: each token's top-k copies go to the ranks holding their experts, are computed there and
+    come back, weighed by the router's gates. Autograd's all-to-all sends their gradients back over
+    the reversed splits."""
     ep_size, top_k = group.size(), top_k_index.shape[-1]
-    # 1. The copies sorted by expert: a rank's experts are consecutive, so they are sorted by rank too.
+    # 1. The copies sorted by expert: a rank's experts are consecutive, so sorted by rank too.
     expert_ids = top_k_index.flatten()
     order = expert_ids.argsort(stable=True)
-    send_counts = expert_ids.new_zeros(layer.num_experts * ep_size).scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
+    send_counts = expert_ids.new_zeros(layer.num_experts * ep_size)
+    send_counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))  # copies per expert
     if layer.training and torch._C._current_graph_task_id() == -1:  # not checkpointing's recompute
         layer.load = layer.load + send_counts
-    # 2. The counts exchanged: how many copies each rank receives for each of its experts. The split sizes
-    # are read on the host (a GPU sync per layer, as in every EP implementation with uneven splits).
+    # 2. The counts exchanged: how many copies each rank receives for each of its experts. The split
+    # sizes are read on the host (a GPU sync per layer, as in every EP with uneven splits).
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     send_splits = send_counts.view(ep_size, -1).sum(1).tolist()
     recv_splits = recv_counts.view(ep_size, -1).sum(1).tolist()
     # 3. The copies to their experts' ranks, grouped by sender, then by expert.
-    received = funcol.all_to_all_single_autograd(hidden_states[order // top_k], recv_splits, send_splits, group)
+    copies = hidden_states[order // top_k]
+    received = funcol.all_to_all_single_autograd(copies, recv_splits, send_splits, group)
     local_ids = torch.arange(layer.num_experts, device=received.device).repeat(ep_size)
     local_ids = local_ids.repeat_interleave(recv_counts, output_size=sum(recv_splits))
-    # 4. The local experts, each copy on one expert at weight 1 (the gates are applied back home). A rank that
-    # received nothing runs them on one zero row, sliced away: grouped_mm's backward refuses 0 rows (torch
-    # 2.13), and its experts then have gradients (zeros) for FSDP to reduce-scatter, as on every rank.
-    rows, ids = (received, local_ids) if len(local_ids) else (received.sum(0, keepdim=True), local_ids.new_zeros(1))
+    # 4. The local experts, each copy on one expert at weight 1 (the gates are applied back home).
+    # A rank that received nothing runs them on one zero row, sliced away: grouped_mm's backward
+    # refuses 0 rows, and its experts then have gradients (zeros) for FSDP to reduce-scatter.
+    rows, ids = received, local_ids
+    if not len(local_ids):
+        rows, ids = received.sum(0, keepdim=True), local_ids.new_zeros(1)
     with local_weights(layer):
-        computed = local_forward(rows, ids[:, None], torch.ones_like(ids[:, None], dtype=rows.dtype))
+        computed = local_forward(rows, ids[:, None], rows.new_ones(len(ids), 1))
     computed = computed[: len(local_ids)]
     # 5. Back to the senders, in the copies' first order, weighed by the gates and summed per token.
     returned = funcol.all_to_all_single_autograd(computed, send_splits, recv_splits, group)
@@ -398,7 +409,7 @@ def dispatch(layer, local_forward, group, hidden_states, top_k_index, top_k_weig
 
 @contextlib.contextmanager
 def local_weights(layer):
-    """The layer's weights as this rank's experts (the DTensors' local shards) while HF's forward runs."""
+    """The layer's weights as this rank's experts (the DTensors' local shards) in HF's forward."""
     sharded = dict(layer.named_parameters(recurse=False))
     layer._parameters.update({name: param.to_local() for name, param in sharded.items()})
     try:
@@ -416,7 +427,7 @@ def apply_fsdp(model, blocks, mesh, expert_mesh, mp_policy, offload_policy):
     if not tied:
         shard(model.get_input_embeddings())
     for block in blocks:
-        for layer in experts.experts_modules(block):  # sharded over efsdp; the block's other weights over all
+        for layer in experts.experts_modules(block):  # over efsdp; the block's other weights: all
             shard(layer, mesh=expert_mesh)
         shard(block)
     if not tied:
@@ -542,10 +553,10 @@ def get_parser():
     add("--cpu-offload", action="store_true", help="keep shards and optimizer on the CPU (GPU only)")
     add("--async-checkpoints", action="store_true", help="write checkpoints beside training")
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    add("--ep-size", type=common.positive_int, default=local_ranks, help="ranks that split each layer's experts "
-        "(default: a node's)")  # fmt: skip
-    add("--aux-loss-coef", type=common.non_negative_float, help="weight of the routers' balancing loss (default: "
-        "the config's; 0: none)")  # fmt: skip
+    add("--ep-size", type=common.positive_int, default=local_ranks,
+        help="ranks that split each layer's experts (default: a node's)")
+    add("--aux-loss-coef", type=common.non_negative_float,
+        help="weight of the routers' balancing loss (default: the config's; 0: none)")
     parser.set_defaults(model_name=common.DEFAULT_MOE_MODEL)
     return parser
 

@@ -1,13 +1,14 @@
-"""Chapter 09: expert parallelism on the CPU (gloo, fp32), against chapter 04 on the same mixture of experts.
+"""Chapter 09: expert parallelism on the CPU (gloo, fp32), against chapter 04 on the same mixture of
+experts.
 
-Chapter 04 trains the embedded tiny Qwen3-MoE (8 experts per layer, 2 per token) with every expert one more
-FSDP parameter: the reference. Each run is 12 steps of 8 rows (2 ranks x 4 rows, or 4 x 2), clipped at every
-step (gradient norms of 2 to 4 against --max-grad-norm 1), with the routers' load-balancing loss in both
-chapters; the probe PROBE_EXPERT_COUNTS records how many tokens each router call sent to each expert. Runs
-are shared: 04 and ep 2 on 2 ranks; 04 and ep 2 (efsdp 2) on 4 ranks; ep 4 resuming the latter's checkpoint;
-chapter 04 resuming ep 2's, and ep 2 resuming it under torchrun --max-restarts, killed; the empty rank;
-checkpointing with accumulation. Refusals run in-process with the
-chapter's own checks, and one under torchrun for its last line.
+Chapter 04 trains the embedded tiny Qwen3-MoE (8 experts per layer, 2 per token) with every expert
+one more FSDP parameter: the reference. Each run is 12 steps of 8 rows (2 ranks x 4 rows, or 4 x 2),
+clipped at every step (gradient norms of 2 to 4 against --max-grad-norm 1), with the routers'
+load-balancing loss in both chapters; the probe PROBE_EXPERT_COUNTS records how many tokens each
+router call sent to each expert. Runs are shared: 04 and ep 2 on 2 ranks; 04 and ep 2 (efsdp 2) on 4
+ranks; ep 4 resuming the latter's checkpoint; chapter 04 resuming ep 2's, and ep 2 resuming it under
+torchrun --max-restarts, killed; the empty rank; checkpointing with accumulation. Refusals run
+in-process with the chapter's own checks, and one under torchrun for its last line.
 """
 
 import json
@@ -32,9 +33,9 @@ MODEL = []  # --model-name: the tiny MoE with its balancing loss (balanced_moe)
 
 @pytest.fixture(scope="module", autouse=True)
 def balanced_moe(tmp_path_factory):
-    """The tiny MoE with its routers' balancing loss asked for in its config (output_router_logits), at
-    chapter 09's default weight (the config's, 0.001): chapter 04 follows the config, so both chapters
-    train the same objective. Every run of this module trains it."""
+    """The tiny MoE with its routers' balancing loss asked for in its config (output_router_logits),
+    at chapter 09's default weight (the config's, 0.001): chapter 04 follows the config, so both
+    chapters train the same objective. Every run of this module trains it."""
     folder = tmp_path_factory.mktemp("balanced_moe")
     for file in Path(MOE).iterdir():
         shutil.copy(file, folder)
@@ -60,8 +61,8 @@ def expert_counts(save_dir, ranks) -> list[list[int]]:
 
 
 def assert_equal_to_04(run_dir, reference, tmp_path, steps=STEPS):
-    """Every step's loss (the balancing loss in it), gradient norm (relatively: norms summed in another
-    order), validation loss, and the final weights within 1e-5 of chapter 04's."""
+    """Every step's loss (the balancing loss in it), gradient norm (relatively: norms summed in
+    another order), validation loss, and the final weights within 1e-5 of chapter 04's."""
     worst = differences(run_dir, reference, tmp_path, steps)
     print(f"\nlargest differences to chapter 04 ({run_dir.parent.name}): {worst}")
     assert max(worst.values()) <= 1e-5, worst
@@ -75,8 +76,8 @@ def fsdp_run(tmp_path_factory, hf_home):
 
 @pytest.fixture(scope="module")
 def ep_run(tmp_path_factory, hf_home):
-    """ep 2 on 2 ranks (its default: a node's ranks): 4 experts per layer on each. Compiled as on GPUs
-    (dynamo traces each block; the traced graphs run as they are: PROBE_COMPILE_BACKEND)."""
+    """ep 2 on 2 ranks (its default: a node's ranks): 4 experts per layer on each. Compiled as on
+    GPUs (dynamo traces each block; the traced graphs run as they are: PROBE_COMPILE_BACKEND)."""
     save_dir = tmp_path_factory.mktemp("ep")
     faults = {"PROBE_COMPILE_COUNTS": save_dir / "compile_counts.jsonl", "PROBE_COMPILE_BACKEND": "eager"}
     return run(CHAPTER, save_dir, hf_home, "--compile", faults={**faults, **late_release(save_dir)})
@@ -96,8 +97,8 @@ def test_the_routers_choose_the_same_experts(ep_run, fsdp_run):
 
 
 def test_each_step_logs_the_experts_load(ep_run):
-    """The busiest expert against the mean, per layer and the worst, from the dispatch's own counts: what
-    the routers chose (the probe), summed over the ranks, at every log step."""
+    """The busiest expert against the mean, per layer and the worst, from the dispatch's own counts:
+    what the routers chose (the probe), summed over the ranks, at every log step."""
     counts, metrics = expert_counts(ep_run.parent, 2), read_metrics(ep_run)
     for step in range(1, STEPS + 1):
         layers = counts[4 * (step - 1) : 4 * step]
@@ -108,10 +109,10 @@ def test_each_step_logs_the_experts_load(ep_run):
 
 
 def test_the_blocks_compile_around_the_dispatch_and_never_recompile(ep_run):
-    """Each block is compiled, not whole: its graphs stop at the experts' call, whose dispatch runs eager
-    (torch.compiler.disable: its split sizes are read on the host), and go on after it. The graphs of the
-    first training step, and evaluation's after step 6, are all there ever are: the dispatch's varying
-    split sizes never reach a graph."""
+    """Each block is compiled, not whole: its graphs stop at the experts' call, whose dispatch runs
+    eager (torch.compiler.disable: its split sizes are read on the host), and go on after it. The
+    graphs of the first training step, and evaluation's after step 6, are all there ever are: the
+    dispatch's varying split sizes never reach a graph."""
     counts = [json.loads(line) for line in (ep_run.parent / "compile_counts.jsonl").read_text().splitlines()]
     graphs, breaks = [count["graphs"] for count in counts], [count["graph_breaks"] for count in counts]
     assert graphs == [graphs[0]] * 6 + [graphs[6]] * (STEPS - 6) and graphs[6] > graphs[0] > 0, graphs
@@ -124,9 +125,9 @@ def test_the_run_exits_0_when_gloo_lets_go_of_a_tensor_late(ep_run):
 
 @pytest.fixture(scope="module")
 def fsdp_4_run(tmp_path_factory, hf_home):
-    """Chapter 04 on 4 ranks x 2 rows: the same rows per step as on 2 x 4, but not the same objective. The
-    balancing loss is each rank's, over its own rows (how evenly its tokens spread over the experts): the
-    reference of the runs on 4 ranks."""
+    """Chapter 04 on 4 ranks x 2 rows: the same rows per step as on 2 x 4, but not the same
+    objective. The balancing loss is each rank's, over its own rows (how evenly its tokens spread
+    over the experts): the reference of the runs on 4 ranks."""
     return run("04-fsdp", tmp_path_factory.mktemp("fsdp4"), hf_home, *FOUR_RANKS, nproc=4)
 
 
@@ -142,18 +143,19 @@ def test_ep_2_with_efsdp_2_on_4_ranks_equals_fsdp(ep_4_ranks_run, fsdp_4_run, tm
 
 
 def test_checkpoints_reshard_from_ep_2_to_ep_4(tmp_path, hf_home, ep_4_ranks_run, fsdp_4_run):
-    """ep 2's checkpoint of step 6 (on 4 ranks, chapter 04's names and full shapes), resumed at ep 4: each rank
-    now holds 2 experts per layer, whole. Every step after it is chapter 04's on 4 ranks."""
+    """ep 2's checkpoint of step 6 (on 4 ranks, chapter 04's names and full shapes), resumed at ep
+    4: each rank now holds 2 experts per layer, whole. Every step after it is chapter 04's on 4
+    ranks."""
     rewind(ep_4_ranks_run, tmp_path / CHAPTER, step=6)
     resumed = run(CHAPTER, tmp_path, hf_home, *FOUR_RANKS, "--ep-size", "4", nproc=4)
     assert_equal_to_04(resumed, fsdp_4_run, tmp_path)
 
 
 def test_checkpoints_resume_in_04_and_after_a_kill(tmp_path, hf_home, ep_run, fsdp_run):
-    """ep 2's checkpoint of step 6 resumed by chapter 04 itself; and by ep 2 under torchrun --max-restarts:
-    rank 1 is SIGKILLed in its 3rd optimizer step (step 8: loading AdamW's state takes one), after the
-    checkpoint of step 7, and both restart from it. Every loss, gradient norm and the final weights are the
-    uninterrupted chapter 04's."""
+    """ep 2's checkpoint of step 6 resumed by chapter 04 itself; and by ep 2 under torchrun
+    --max-restarts: rank 1 is SIGKILLed in its 3rd optimizer step (step 8: loading AdamW's state
+    takes one), after the checkpoint of step 7, and both restart from it. Every loss, gradient norm
+    and the final weights are the uninterrupted chapter 04's."""
     rewind(ep_run, tmp_path / "fsdp" / "04-fsdp", step=6)
     resumed = run("04-fsdp", tmp_path / "fsdp", hf_home)
     assert_equal_to_04(resumed, fsdp_run, tmp_path)
@@ -171,10 +173,10 @@ def test_checkpoints_resume_in_04_and_after_a_kill(tmp_path, hf_home, ep_run, fs
 
 
 def test_a_rank_that_receives_no_tokens_trains_as_04_does(tmp_path, hf_home):
-    """The routers never choose experts 4 to 7 (FAULT_EXPERTS_UNUSED_FROM): at ep 2, rank 1 holds only those,
-    receives no token in any layer, and still runs its experts' forward and backward (on one zero row),
-    so that the all-to-alls and FSDP's collectives of every rank match. Equal to chapter 04 under the same
-    routers, over 10 steps."""
+    """The routers never choose experts 4 to 7 (FAULT_EXPERTS_UNUSED_FROM): at ep 2, rank 1 holds
+    only those, receives no token in any layer, and still runs its experts' forward and backward (on
+    one zero row), so that the all-to-alls and FSDP's collectives of every rank match. Equal to
+    chapter 04 under the same routers, over 10 steps."""
     steps = ["--max-steps", "10", "--ckpt-freq", "10"]
     fault = {"FAULT_EXPERTS_UNUSED_FROM": 4}
     reference = run("04-fsdp", tmp_path / "fsdp", hf_home, *steps, faults=fault)
@@ -185,8 +187,9 @@ def test_a_rank_that_receives_no_tokens_trains_as_04_does(tmp_path, hf_home):
 
 
 def test_checkpointing_and_accumulation_equal_04(tmp_path, hf_home):
-    """Full activation checkpointing (the recompute runs the all-to-alls again, and counts no load twice) and
-    2 micro-batches of 2 rows per step, against chapter 04 with the same micro-batches."""
+    """Full activation checkpointing (the recompute runs the all-to-alls again, and counts no load
+    twice) and 2 micro-batches of 2 rows per step, against chapter 04 with the same micro-batches.
+    """
     accumulation = ["--batch-size", "2", "--grad-accum-steps", "2"]
     reference = run("04-fsdp", tmp_path / "fsdp", hf_home, *accumulation)
     ep = run(CHAPTER, tmp_path / "ep", hf_home, *accumulation, "--activation-checkpointing")
@@ -287,8 +290,9 @@ def test_the_families_with_stacked_experts_are_taken(family):
 @pytest.mark.parametrize("argv, on, coef", [([], True, 0.001), (["--aux-loss-coef", "0.01"], True, 0.01),
                                             (["--aux-loss-coef", "0"], False, 0.0)])  # fmt: skip
 def test_the_balancing_loss_is_on_at_the_configs_weight_unless_told(argv, on, coef):
-    """The shipped tiny MoE's config, as Qwen3-MoE's published one, does not ask for the routers' logits
-    (output_router_logits false: chapter 04 trains it without the balancing loss); this chapter asks."""
+    """The shipped tiny MoE's config, as Qwen3-MoE's published one, does not ask for the routers'
+    logits (output_router_logits false: chapter 04 trains it without the balancing loss); this
+    chapter asks."""
     from transformers import AutoConfig
 
     chapter, model_config = load_chapter(), AutoConfig.from_pretrained(MOE)
