@@ -32,7 +32,7 @@ GROUPED_MM_ALIGNMENT = 16
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules holding stacked experts: `experts` children that count `num_experts`, in order."""
+    """The modules holding stacked experts: `experts` children counting `num_experts`, in order."""
     modules = model.named_modules()
     return [m for name, m in modules if name.endswith(".experts") and hasattr(m, "num_experts")]
 
