@@ -91,7 +91,7 @@ def stages_per_rank(schedule: str) -> int:
     return STAGES_PER_RANK if issubclass(get_schedule_class(schedule), PipelineScheduleMulti) else 1
 
 
-def stage_ids(args, pp_rank: int) -> tuple[int, list[int]]:
+def rank_stages(args, pp_rank: int) -> tuple[int, list[int]]:
     """The number of stages, and this pp rank's: r, and with looped schedules r + pp, r + 2 pp, ..."""
     num_stages = args.pp_size * stages_per_rank(args.pp_schedule)
     return num_stages, list(range(pp_rank, num_stages, args.pp_size))
@@ -113,17 +113,20 @@ class PassThrough(nn.Module):
 
 def split(model, blocks, stages: list[int], num_stages: int) -> tuple[list[nn.Module], list[nn.Module]]:
     """`model` pruned to the modules of this rank's `stages` (the others' become None or PassThrough), and
-    a module per stage holding its share of them; and this rank's blocks, in order."""
+    a module per stage holding its share of them (another instance of the model's class); and this
+    rank's blocks, in order."""
     config, layers = model.config, model.model.layers  # the blocks, or what wraps each (checkpointing)
     if len(layers) != len(blocks):
         raise SystemExit(f"error: --pp-size: {type(model).__name__}'s blocks are not its model.layers")
     owned = {stage: stage_blocks(len(blocks), num_stages, stage) for stage in stages}
-    parts = []
-    for stage, mine in owned.items():
+    stage_modules = []
+    for stage, stage_block_ids in owned.items():
         with torch.device("meta"):  # shapes only: its modules are replaced by the model's own
             part = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         part.model.embed_tokens = model.model.embed_tokens if stage == 0 else None
-        part.model.layers = nn.ModuleList(layers[i] if i in mine else PassThrough() for i in range(len(blocks)))
+        part.model.layers = nn.ModuleList(
+            layers[i] if i in stage_block_ids else PassThrough() for i in range(len(blocks))
+        )
         last = stage == num_stages - 1
         part.model.norm = model.model.norm if last else nn.Identity()  # the last stage's hidden states only
         part.lm_head = model.lm_head if last else None
@@ -132,14 +135,14 @@ def split(model, blocks, stages: list[int], num_stages: int) -> tuple[list[nn.Mo
         unknown = {n for n, t in [*part.named_parameters(), *part.named_buffers()] if not _is_in(t, model)}
         if unknown:  # a module the cut does not know of would be left uninitialized, or trained apart
             raise SystemExit(f"error: --pp-size: the stages do not know {', '.join(sorted(unknown))}")
-        parts.append(part)
-    mine = {i for blocks_of_stage in owned.values() for i in blocks_of_stage}
-    model.model.layers = nn.ModuleList(layers[i] if i in mine else PassThrough() for i in range(len(blocks)))
+        stage_modules.append(part)
+    kept = {i for stage_block_ids in owned.values() for i in stage_block_ids}  # the blocks of all its stages
+    model.model.layers = nn.ModuleList(layers[i] if i in kept else PassThrough() for i in range(len(blocks)))
     if 0 not in owned:
         model.model.embed_tokens = None
     if num_stages - 1 not in owned:
         model.model.norm, model.lm_head = None, None
-    return parts, [blocks[i] for i in sorted(mine)]
+    return stage_modules, [blocks[i] for i in sorted(kept)]
 
 
 def _is_in(tensor, model) -> bool:

@@ -124,20 +124,21 @@ def main():
     flops_per_token = common.flops_per_token(model, config, args.seq_length)  # the whole model's, before the cut
     # This rank's stages (pp rank r's: r, and r + pp, ... with looped schedules), each a module of its own, and
     # `model` cut down to theirs: what the optimizer and the checkpoints see, under chapter 04's names.
-    num_stages, stage_ids = pipeline.stage_ids(args, mesh["pp"].get_local_rank())
-    parts, blocks = pipeline.split(model, blocks, stage_ids, num_stages)
-    for part in parts:  # each stage an FSDP root of its own, which its PipelineStage drives, allocated through it
-        parallelize(part, [block for block in blocks if block in set(part.modules())], mesh, args, dtype, use_compile)
-        part.to_empty(device="cpu" if args.cpu_offload else device)
+    num_stages, stage_ids = pipeline.rank_stages(args, mesh["pp"].get_local_rank())
+    stage_modules, my_blocks = pipeline.split(model, blocks, stage_ids, num_stages)
+    for stage_module in stage_modules:  # each an FSDP root of its own, which its PipelineStage drives
+        stage_blocks = [block for block in my_blocks if block in set(stage_module.modules())]
+        parallelize(stage_module, stage_blocks, mesh, args, dtype, use_compile)
+        stage_module.to_empty(device="cpu" if args.cpu_offload else device)  # allocated through it
     send_full_weights(model, full_model, device)
     del full_model
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(f"{num_params:,} parameters in stages {stage_ids} of {num_stages}, sharded over {shard_size} ranks")
     # Each stage sends its outputs to the next stage's rank over the pp group (in the next node), shapes given.
     stages = [
-        PipelineStage(part, i, num_stages, device, group=mesh["pp"].get_group(),
+        PipelineStage(stage_module, i, num_stages, device, group=mesh["pp"].get_group(),
                       **pipeline.shapes(args, config, dtype, i, num_stages))
-        for i, part in zip(stage_ids, parts)
+        for i, stage_module in zip(stage_ids, stage_modules)
     ]  # fmt: skip
     # The schedule cuts each batch into micro-batches, and runs this rank's forwards and backwards in its order.
     schedule = get_schedule_class(args.pp_schedule)(
@@ -184,7 +185,7 @@ def main():
     tokens_per_step = global_batch_rows * args.seq_length
     flops_per_step = tokens_per_step * flops_per_token
     peak_flops = common.peak_bf16_flops(device)
-    timers = common.PhaseTimers(device, compare_ranks=True, blocks=blocks)  # blocks: timed without FSDP's waits
+    timers = common.PhaseTimers(device, compare_ranks=True, blocks=my_blocks)  # timed without FSDP's waits
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
     async_saves = common.AsyncCheckpoints(args.dist_timeout, device, optimizer) if args.async_checkpoints else None
@@ -303,9 +304,10 @@ def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, 
             schedule.step(batch["input_ids"], target=batch["labels"], losses=losses, loss_kwargs=loss_kwargs,
                           return_outputs=False)  # no logits kept to the step's end: each freed after its backward
         step_loss += sum(loss.detach() for loss in losses)
-    # The last stage's ranks trained on other rows: the job's loss is the sum of their shares, over the dp ranks.
+    # Each pipeline's last stage holds its loss (the other stages, 0): their sum over the world, divided by
+    # the number of pipelines (the dp ranks), is the job's mean.
     dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
-    step_loss /= dist.get_world_size() // args.pp_size
+    step_loss /= dist.get_world_size() // args.pp_size  # the dp size
 
     with timers("optimizer"):
         # The norm is over all stages' gradients: the squares of each stage's norm (over its shards) summed over the

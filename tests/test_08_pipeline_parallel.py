@@ -244,7 +244,7 @@ def test_a_rank_keeps_its_stages_modules_under_chapter_04s_names():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(changed("llama", num_hidden_layers=4))
     args = chapter.get_parser().parse_args(["--pp-size", "2", "--pp-schedule", "Interleaved1F1B"])
-    num_stages, stages = chapter.pipeline.stage_ids(args, pp_rank=1)
+    num_stages, stages = chapter.pipeline.rank_stages(args, pp_rank=1)
     assert (num_stages, stages) == (4, [1, 3])
     parts, blocks = chapter.pipeline.split(model, transformer_blocks(model), stages, num_stages)
     names = {".".join(name.split(".")[:3]) if ".layers." in name else name for name, _ in model.named_parameters()}

@@ -536,7 +536,7 @@ def pipeline_rank(chapter, config, argv, rank_of_stage, pp_rank):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     blocks = transformer_blocks(model)
     chapter.pipeline.check_model(model, blocks, args)
-    num_stages, stage_ids = chapter.pipeline.stage_ids(args, pp_rank)
+    num_stages, stage_ids = chapter.pipeline.rank_stages(args, pp_rank)
     parts, blocks = chapter.pipeline.split(model, blocks, stage_ids, num_stages)
     for part in parts:
         chapter.parallelize(part, [b for b in blocks if b in set(part.modules())], mesh, args, torch.float32, False)
