@@ -94,7 +94,8 @@ def main():
         train_data, val_data = common.load_and_pack(
             args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=world_size * args.batch_size
         )
-    # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows on every rank.
+    # An optimizer step trains on --grad-accum-steps micro-batches of --pp-size x --batch-size rows in every
+    # pipeline (cut into --pp-microbatches): chapter 04's rows for as many ranks.
     global_batch_rows = world_size * args.batch_size * args.grad_accum_steps
     steps_per_epoch = len(train_data) // global_batch_rows
     if steps_per_epoch == 0:
