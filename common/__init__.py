@@ -1,5 +1,6 @@
 """What every chapter shares unchanged, one purpose per file: flags (args), data, model, checkpoints,
-distributed (one rank first, errors, stop signals) and metrics (logs, timers, memory, MFU, wandb)."""
+distributed (one rank first, errors, stop signals), logs (log lines, metrics.jsonl, wandb), timers (phases,
+the straggler) and metrics (memory, MFU, the non-finite guard)."""
 
 import logging
 
@@ -15,7 +16,8 @@ from common.checkpoints import loading, publish_checkpoint, rng_state, saving, s
 from common.data import DEFAULT_DATASET, load_and_pack
 from common.distributed import StopSignal, destroy_process_group_and_exit, no_forward_buffer_sync
 from common.distributed import rank0_first, record
-from common.metrics import NonFiniteGuard, PhaseTimers, flops_per_token, log_metrics, memory_stats, peak_bf16_flops
-from common.metrics import setup_logging, shard_memory, wandb_mode
+from common.logs import log_metrics, setup_logging, wandb_mode
+from common.metrics import NonFiniteGuard, flops_per_token, memory_stats, peak_bf16_flops, shard_memory
+from common.timers import PhaseTimers
 from common.model import DEFAULT_MODEL, DEFAULT_MOE_MODEL, adamw_param_groups, checkpoint_blocks, load_config_and_tokenizer
 from common.model import transformer_blocks

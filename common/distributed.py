@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 from torch.distributed.elastic.multiprocessing.errors import record as torchrun_record
 from torch.nn.parallel import DistributedDataParallel
 
-from common import metrics
+from common import logs
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class StopSignal:
         if self.name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.name = signal.Signals(signum).name
-        metrics.stop_wandb_calls()  # Slurm signals wandb's service too: see log_metrics
+        logs.stop_wandb_calls()  # Slurm signals wandb's service too: see log_metrics
         logger.warning(f"{self.name}: stopping after this step, with a checkpoint")
 
     def agreed(self, device: torch.device) -> str | None:

@@ -330,7 +330,7 @@ def assert_state_as_planned(probe: Path, layout) -> None:
         assert abs(measured[key] - predicted[key]) <= 0.05 * predicted[key], (key, measured, predicted)
 
 
-# common.metrics.STRAGGLER_LOG_STEPS (5) + 2: DDP's second forward broadcasts the buckets' order (once,
+# common.timers.STRAGGLER_LOG_STEPS (5) + 2: DDP's second forward broadcasts the buckets' order (once,
 # from rank 0), where rank 0 waits for rank 1 as it does in backward after: its streak restarts at step 3.
 STRAGGLER_STEPS = 7
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import FAST_ARGS, REPO, assert_released_late, differences, last_lines, late_release, losses, read_metrics
+from harness import FAST_ARGS, REPO, assert_released_late, differences, last_lines, late_release, read_metrics
 from harness import rewind, run_chapter
 from model_families import WIDTHS
 

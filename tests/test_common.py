@@ -386,9 +386,9 @@ def test_a_stop_signal_is_every_ranks_at_the_same_step(monkeypatch):
     until torchrun kills the job 30 s later with no checkpoint)."""
     import signal
 
-    from common import StopSignal, distributed, metrics
+    from common import StopSignal, distributed, logs
 
-    monkeypatch.setattr(metrics, "_wandb_calls", True)  # the handler turns wandb's calls off: restored after
+    monkeypatch.setattr(logs, "_wandb_calls", True)  # the handler turns wandb's calls off: restored after
 
     def all_reduce_then_signal(flag, op=None):  # no other rank had one; this one's arrives just after
         os.kill(os.getpid(), signal.SIGTERM)
