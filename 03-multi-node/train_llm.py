@@ -66,6 +66,7 @@ def main():
     common.check_save_dir(args.save_dir)
     with common.rank0_first(local=args.node_local_cache):
         config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
+    common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
     # The export is in the model's published dtype (bf16 for most), read now: building in fp32 overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 

@@ -19,5 +19,6 @@ from common.distributed import rank0_first, record
 from common.logs import log_metrics, setup_logging, wandb_mode
 from common.metrics import NonFiniteGuard, flops_per_token, memory_stats, peak_bf16_flops, shard_memory
 from common.timers import PhaseTimers
-from common.model import DEFAULT_MODEL, DEFAULT_MOE_MODEL, adamw_param_groups, checkpoint_blocks, load_config_and_tokenizer
+from common.model import DEFAULT_MODEL, DEFAULT_MOE_MODEL, adamw_param_groups, check_compilable, checkpoint_blocks
+from common.model import load_config_and_tokenizer
 from common.model import transformer_blocks

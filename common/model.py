@@ -66,6 +66,19 @@ def load_config_and_tokenizer(model_name: str, seq_length: int):
     return config, tokenizer
 
 
+def check_compilable(config, use_compile: bool) -> None:
+    """Refuses a config that asks for its routers' logits (a mixture of experts' load-balancing loss) when
+    the chapter compiles each block whole: transformers collects them with hooks around a ContextVar,
+    which dynamo cannot trace inside a block (torch 2.11 and 2.13)."""
+    if use_compile and getattr(config, "output_router_logits", False):
+        raise SystemExit(
+            f"error: --model-name {config.name_or_path!r} asks for its routers' logits "
+            "(output_router_logits, the experts' load-balancing loss), which torch.compile cannot "
+            "trace inside a block: pass --no-compile, or train it with chapter 09, which compiles "
+            "around them"
+        )
+
+
 def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on weight matrices (linear layers, embeddings), none on norms and biases, as nanoGPT and
     Megatron-LM do. A DTensor has its full shape's `ndim`: FSDP gets the same groups."""

@@ -235,3 +235,26 @@ def test_seq_length_beyond_the_model_fails(hf_cache):
     with pytest.raises(SystemExit) as exit:
         load_config_and_tokenizer(DEFAULT_MODEL, 1024)
     assert "--seq-length 1024 is longer than the model's max_position_embeddings (512)" in str(exit.value.code)
+
+
+def test_a_moe_asking_for_router_logits_is_refused_where_blocks_compile_whole(tmp_path, hf_home):
+    """transformers collects a mixture of experts' router logits (its balancing loss) with hooks that dynamo
+    cannot trace inside a block: chapters 01-08, which compile each block whole, refuse such a config
+    with compile on, in the run's last line and before anything is written (on a GPU it was a raw
+    dynamo error mid-step); with --no-compile it is taken, and chapter 09 compiles around them."""
+    from harness import last_lines, run_chapter
+    from transformers import AutoConfig
+
+    from common import DEFAULT_MOE_MODEL, check_compilable
+
+    model = tmp_path / "moe"
+    shutil.copytree(DEFAULT_MOE_MODEL, model)
+    fields = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**fields, "output_router_logits": True}))
+    proc = run_chapter("01-single-gpu", "--model-name", str(model), "--compile", "--save-dir", str(tmp_path / "out"),
+                       hf_home=hf_home, check=False)  # fmt: skip
+    assert proc.returncode != 0 and not (tmp_path / "out" / "01-single-gpu").exists()
+    assert "asks for its routers' logits (output_router_logits" in last_lines(proc.stderr), last_lines(proc.stderr)
+    assert "pass --no-compile, or train it with chapter 09" in last_lines(proc.stderr)
+    check_compilable(AutoConfig.from_pretrained(model), use_compile=False)
+    check_compilable(AutoConfig.from_pretrained(DEFAULT_MOE_MODEL), use_compile=True)
