@@ -67,9 +67,9 @@ def load_config_and_tokenizer(model_name: str, seq_length: int):
 
 
 def check_compilable(config, use_compile: bool) -> None:
-    """Refuses a config that asks for its routers' logits (a mixture of experts' balancing loss) when the
-    chapter compiles each block whole: transformers collects them with hooks around a ContextVar,
-    which dynamo cannot trace inside a block (torch 2.11 and 2.13)."""
+    """Refuses a config that asks for its routers' logits (a mixture of experts' balancing loss)
+    when the chapter compiles each block whole: transformers collects them with hooks around a
+    ContextVar, which dynamo cannot trace inside a block (torch 2.11 and 2.13)."""
     if use_compile and getattr(config, "output_router_logits", False):
         raise SystemExit(
             f"error: --model-name {config.name_or_path!r} asks for its routers' logits "
