@@ -117,14 +117,7 @@ def main():
     state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": wandb_run_id[0], **layout}
     state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log line: a resumed run logs the same mean
     checkpoint = common.latest_checkpoint(exp_dir)
-    # Every rank resumes from rank 0's step: with --save-dir on each node's own disk, others would start over.
-    rank0_checkpoint = [checkpoint]
-    dist.broadcast_object_list(rank0_checkpoint, src=0)
-    if checkpoint != rank0_checkpoint[0]:
-        raise SystemExit(
-            f"error: rank {rank} on {socket.gethostname()} finds checkpoint {checkpoint}, rank 0 finds "
-            f"{rank0_checkpoint[0]}: --save-dir must be one folder shared by all nodes"
-        )
+    common.check_shared_save_dir(checkpoint)  # every rank resumes from rank 0's step
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
         common.check_resume(checkpoint, state, layout)

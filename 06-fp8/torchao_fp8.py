@@ -17,7 +17,7 @@ from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-from common import tp
+import tp  # chapter 05's, beside this script
 
 
 def fp8_able(linear) -> bool:

@@ -156,14 +156,7 @@ def main():
     state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": wandb_run_id[0], **layout}
     state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log line: a resumed run logs the same mean
     checkpoint = common.latest_checkpoint(exp_dir)
-    # Every rank resumes from rank 0's step: with --save-dir on each node's own disk, others would start over.
-    rank0_checkpoint = [checkpoint]
-    dist.broadcast_object_list(rank0_checkpoint, src=0)
-    if checkpoint != rank0_checkpoint[0]:
-        raise SystemExit(
-            f"error: rank {rank} on {socket.gethostname()} finds checkpoint {checkpoint}, rank 0 finds "
-            f"{rank0_checkpoint[0]}: --save-dir must be one folder shared by all nodes"
-        )
+    common.check_shared_save_dir(checkpoint)  # every rank resumes from rank 0's step
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
         common.check_resume(checkpoint, state, layout)
@@ -215,8 +208,6 @@ def main():
                 running_loss += loss
                 steps_since_log += 1
                 guard.update(state["global_step"], loss, grad_norm)
-                if async_saves:
-                    async_saves.poll()  # a save that failed (a full disk) stops the job at the next step
 
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.agreed(device)
@@ -477,6 +468,10 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
             tmp_dir.mkdir(parents=True)
+            torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
+            # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
+            torch.save(common.rng_state(device), tmp_dir / "rng.pt")
+            (tmp_dir / "state.json").write_text(json.dumps(state))
         dist.barrier()
         # Every rank writes its own shards, and DCP records where each sits in the full tensor: resharded on load.
         model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -485,12 +480,7 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
             async_saves.start(shards, tmp_dir, final_dir, state["global_step"], keep)
         else:
             dcp.save(shards, checkpoint_id=tmp_dir)
-        if rank == 0:
-            torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
-            # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
-            torch.save(common.rng_state(device), tmp_dir / "rng.pt")
-            (tmp_dir / "state.json").write_text(json.dumps(state))
-            if not async_saves:
+            if rank == 0:
                 common.publish_checkpoint(tmp_dir, final_dir, keep)
                 logger.info(f"Saved {final_dir}")
     dist.barrier()  # no rank runs ahead (and may crash) before the checkpoint is complete, or under way

@@ -12,7 +12,8 @@ for name in ["torchao", "torch.utils._pytree"]:
 # The chapters call these as common.<name>.
 from common.args import base_parser, non_negative_float, non_negative_int, positive_float, positive_int
 from common.checkpoints import AsyncCheckpoints, check_resume, check_save_dir, checkpoint_dir, latest_checkpoint
-from common.checkpoints import loading, publish_checkpoint, rng_state, saving, set_rng_state
+from common.checkpoints import check_shared_save_dir, loading, publish_checkpoint, rng_state, saving
+from common.checkpoints import set_rng_state
 from common.data import DEFAULT_DATASET, load_and_pack
 from common.distributed import StopSignal, destroy_process_group_and_exit, no_forward_buffer_sync
 from common.distributed import rank0_first, record

@@ -5,6 +5,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -63,7 +64,7 @@ class AsyncCheckpoints:
     shards to CPU memory while the next step computes (its optimizer step waits for the copy), a thread
     writes them, and once every rank's write has ended (DCP gathers the results) rank 0 publishes the save,
     in a thread too. Until then it is a *.tmp folder, which resume ignores: a kill mid-write leaves the
-    checkpoint before it the last. A save's error (a full disk) reaches training at the next poll() or wait()."""
+    checkpoint before it the last. A save's error (a full disk) reaches training at the next step or wait()."""
 
     def __init__(self, timeout_minutes: float, device: torch.device, optimizer: torch.optim.Optimizer):
         # The write's collectives run beside training's: a group of their own, on the CPU (gloo), as the copy is.
@@ -74,12 +75,17 @@ class AsyncCheckpoints:
         self.cuda = cuda = device.type == "cuda"
         options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_non_blocking_copy=cuda)
         self.stager = DefaultStager(options)  # use_async_staging: by default
-        # A step changes the weights and moments: it first waits until the last save has copied them.
-        optimizer.register_step_pre_hook(lambda *_: self.wait_for_staging())
+        # A step changes the weights and moments: it first waits until the last save has copied them, and
+        # raises the error of a save that has failed since (a full disk): the job stops at the next step.
+        optimizer.register_step_pre_hook(self._before_step)
         # Rank 0 publishes (fsync, rename, remove old ones: hundreds of GB at 70B) in a thread: on the training
         # thread, every other rank would wait for it at its next collective.
         self.publisher = ThreadPoolExecutor(max_workers=1)
         self.pending = None
+
+    def _before_step(self, *_) -> None:
+        self.poll()
+        self.wait_for_staging()
 
     def start(self, shards: dict, tmp_dir: Path, final_dir: Path, step: int, keep: int) -> None:
         """Returns once the copy of the shards to CPU memory has started; wait_for_staging() waits for it."""
@@ -187,6 +193,18 @@ def check_save_dir(save_dir: str) -> None:
         raise SystemExit(f"error: --save-dir {save_dir!r}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise SystemExit(f"error: --save-dir {save_dir!r}: {existing} is not writable")
+
+
+def check_shared_save_dir(checkpoint: Path | None) -> None:
+    """Every rank must resume from rank 0's checkpoint: with --save-dir on each node's own disk, the
+    other nodes' ranks would find none (or another step's) and train on from another point."""
+    rank0_checkpoint = [checkpoint]
+    dist.broadcast_object_list(rank0_checkpoint, src=0)
+    if checkpoint != rank0_checkpoint[0]:
+        raise SystemExit(
+            f"error: rank {dist.get_rank()} on {socket.gethostname()} finds checkpoint {checkpoint}, rank 0 "
+            f"finds {rank0_checkpoint[0]}: --save-dir must be one folder shared by all nodes"
+        )
 
 
 def check_resume(checkpoint: Path, state: dict, layout: dict) -> None:

@@ -260,7 +260,8 @@ def test_async_checkpoints_hold_their_steps_weights_and_are_copied_and_published
     """AsyncCheckpoints in one process (a gloo group of 1), as the chapters use it, with its copy to CPU
     memory slowed to 0.1 s per tensor: the step after a save waits for the copy before changing the
     weights, so every checkpoint holds the weights of its step; the copy's CPU memory is the same in
-    every save; rank 0 publishes in a thread, not the training one; a full disk ends in one line."""
+    every save; rank 0 publishes in a thread, not the training one; a full disk ends in one line, at the
+    last save's wait or at the next step."""
     import errno
     import threading
     import time
@@ -321,7 +322,6 @@ def test_async_checkpoints_hold_their_steps_weights_and_are_copied_and_published
             returned_at, weights[step] = save(step)
             train_step()
             assert returned_at < copied_at[-1]  # the copy went on beside training
-            saves.poll()
         saves.close()
 
         checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
@@ -342,6 +342,11 @@ def test_async_checkpoints_hold_their_steps_weights_and_are_copied_and_published
         save(4)
         with pytest.raises(SystemExit, match="no space left .* saving step 4; the checkpoint of step 3 is intact"):
             saves.close()
+        # A save that fails while training goes on stops the job at the next optimizer step.
+        save(5)
+        saves.pending[1].exception(timeout=60)  # its publishing has failed
+        with pytest.raises(SystemExit, match="no space left .* saving step 5; the checkpoint of step 3 is intact"):
+            train_step()
     finally:
         dist.destroy_process_group()
 

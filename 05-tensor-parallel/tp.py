@@ -1,6 +1,6 @@
-"""Chapters 05 and 06's tensor-parallel helpers around their Llama plan (`apply_tp`): checks, and the norms
-other families add. `parallelize_module` only warns of a name it cannot find, and leaves a module it is not
-told about unsplit: `check_plan` refuses both, naming the modules."""
+"""Chapter 05's tensor-parallel helpers around its Llama plan (`apply_tp`): checks, and the norms other
+families add (chapter 06 carries the same file). `parallelize_module` only warns of a name it cannot
+find, and leaves a module it is not told about unsplit: `check_plan` refuses both, naming the modules."""
 
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
