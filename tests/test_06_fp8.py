@@ -515,3 +515,9 @@ def test_a_model_with_no_layer_in_fp8_is_refused(tmp_path, hf_home):
         "the output layer: lm_head"
     ) in last_lines(proc.stderr)
     assert not (tmp_path / CHAPTER).exists()
+
+
+def test_chapter_06_carries_chapter_05s_tp_helpers_unchanged():
+    """06 is 05 plus FP8: its tp.py (the plan's checks, other families' norms) is 05's, byte for byte,
+    so that a fix to one is a fix to both and 06's lesson stays its diff from 05."""
+    assert (REPO / CHAPTER / "tp.py").read_bytes() == (REPO / "05-tensor-parallel" / "tp.py").read_bytes()
