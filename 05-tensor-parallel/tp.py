@@ -2,9 +2,25 @@
 families add (chapter 06 carries the same file). `parallelize_module` only warns of a name it cannot
 find, and leaves a module it is not told about unsplit: `check_plan` refuses both, naming the modules."""
 
+import logging
+import os
+
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+
+logger = logging.getLogger(__name__)
+
+
+def check_layout(args, world_size: int, shard_size: int) -> None:
+    """--tp-size and --shard-size must divide the ranks; a tp group across nodes trains, but slowly."""
+    if world_size % args.tp_size:
+        raise SystemExit(f"error: --tp-size {args.tp_size} must divide the number of ranks ({world_size})")
+    if int(os.environ["LOCAL_WORLD_SIZE"]) % args.tp_size:
+        logger.warning(f"--tp-size {args.tp_size} spans nodes: every block then waits for the network")
+    dp_size = world_size // args.tp_size
+    if dp_size % shard_size:
+        raise SystemExit(f"error: --shard-size {shard_size} must divide the number of dp ranks ({dp_size})")
 
 
 def check_tp_size(tp_size: int, config, seq_length: int) -> None:

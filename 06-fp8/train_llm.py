@@ -84,14 +84,9 @@ def main():
         use_compile = torchao_fp8.setup(args, device, use_compile)  # its checks, its layers, compile's switches
     # Three dimensions. tp, the inner one, groups --tp-size consecutive ranks: a node's GPUs, whose NVLink
     # carries the collectives TP runs in every block. Around it, chapter 04's (replicate, shard) FSDP.
-    if world_size % args.tp_size:
-        raise SystemExit(f"error: --tp-size {args.tp_size} must divide the number of ranks ({world_size})")
-    if int(os.environ["LOCAL_WORLD_SIZE"]) % args.tp_size:
-        logger.warning(f"--tp-size {args.tp_size} spans nodes: every block then waits for the network")
     dp_size = world_size // args.tp_size
     shard_size = args.shard_size or dp_size
-    if dp_size % shard_size:
-        raise SystemExit(f"error: --shard-size {shard_size} must divide the number of dp ranks ({dp_size})")
+    tp.check_layout(args, world_size, shard_size)  # sizes that divide the ranks; tp inside a node
     mesh_shape = (dp_size // shard_size, shard_size, args.tp_size)
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("replicate", "shard", "tp"))
     # The dp ranks, replicas and shards alike, as one dimension: each trains on its own rows.
@@ -435,7 +430,7 @@ def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
     if fp8_all_gather:
         # Layers in FP8 take torchao's float8 styles: inputs and output gradients cast before TP gathers them.
         block_plan |= torchao_fp8.float8_styles(block_plan, blocks[0])
-    # The norms other families add; and any module the plan does not name, refused (common/tp.py).
+    # The norms other families add; and any module the plan does not name, refused (tp.py).
     block_plan |= tp.norm_plan(blocks[0], model.config)
     tp.check_plan(model, blocks, root_plan, block_plan)
     parallelize_module(model, tp_mesh, root_plan)

@@ -1,7 +1,8 @@
 """What the ring can run, checked before anything is split, and the attention function it calls.
 
 Chapter 07's guards, beside its script as chapter 08's pipeline.py is beside its own: a --cp-size the
-ranks and the rows can be split by, and a model whose attention torch's ring attention can run."""
+ranks and the rows can be split by, rows with no mask, and a model whose attention torch's ring
+attention can run."""
 
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -18,6 +19,16 @@ def check_layout(args, world_size, shard_size):
         raise SystemExit(
             f"error: --cp-size {args.cp_size} cuts each row into {2 * args.cp_size} chunks (a head and a tail per "
             f"rank, for an even causal load): --seq-length {args.seq_length} must be a multiple of {2 * args.cp_size}"
+        )
+
+
+def check_batch(batch, cp_size):
+    """Refuses rows that come with more than tokens and labels (an attention mask, say): the ring
+    runs causal attention over whole rows, and would train as if the extra were not there."""
+    extra = ", ".join(sorted(set(batch) - {"input_ids", "labels"}))
+    if extra:
+        raise SystemExit(
+            f"error: --cp-size {cp_size}: rows with {extra} need an attention mask, which the ring cannot take"
         )
 
 

@@ -354,11 +354,7 @@ def shard_sequences(batch, cp_mesh):
     if cp_mesh.size() == 1:  # chapter 04's step
         yield batch
         return
-    if set(batch) != {"input_ids", "labels"}:
-        extra = ", ".join(sorted(set(batch) - {"input_ids", "labels"}))
-        raise SystemExit(
-            f"error: --cp-size {cp_mesh.size()}: rows with {extra} need an attention mask, which the ring cannot take"
-        )
+    ring.check_batch(batch, cp_mesh.size())  # rows of tokens and labels only: no mask
     input_ids = batch["input_ids"]
     labels = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
     position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids).contiguous()

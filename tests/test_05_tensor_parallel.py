@@ -135,8 +135,9 @@ def test_tied_embeddings_stay_tied(tmp_path, hf_home, tied_bf16_fsdp_reference):
     [
         (["--tp-size", "3"], "error: --tp-size 3 must divide the number of ranks (2)"),
         (["--tp-size", "2", "--seq-length", "127"], "error: --tp-size 2 must divide the model's --seq-length (127)"),
+        (["--shard-size", "3"], "error: --shard-size 3 must divide the number of dp ranks (2)"),
     ],
-    ids=["ranks", "seq-length"],
+    ids=["ranks", "seq-length", "shard-size"],
 )
 def test_layouts_that_cannot_split_are_refused(tmp_path, hf_home, args, message):
     proc = run_chapter(CHAPTER, *args, "--save-dir", str(tmp_path), nproc=2, hf_home=hf_home, check=False)
