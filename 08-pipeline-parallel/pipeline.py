@@ -1,5 +1,5 @@
-"""The model cut into pipeline stages: which blocks each stage holds, each stage's module, and the checks
-that refuse what the cut cannot take. The schedule, the stages' sends and receives and FSDP's part in them
+"""The model cut into pipeline stages: which blocks each stage holds, each stage's module, the checks
+that refuse what the cut cannot take, and the norm of all stages' gradients. The schedule, the stages' sends and receives and FSDP's part in them
 are PyTorch's (torch.distributed.pipelining); this module only says what a stage is for a Hugging Face
 causal LM, as torchtitan's pipeline_module_split does for its own models.
 
@@ -183,3 +183,16 @@ def name_every_stage(optimizer_state: dict) -> None:
     dist.all_gather_object(names, [group["params"] for group in optimizer_state["param_groups"]])
     for i, group in enumerate(optimizer_state["param_groups"]):
         group["params"] = list(dict.fromkeys(name for rank_names in names for name in rank_names[i]))
+
+
+def clip_grad_norm_(parameters, max_norm: float, pp_group) -> torch.Tensor:
+    """torch's clip_grad_norm_ over the whole model's gradients: each stage's norm (over its shards)
+    squared, summed over the pp group, then every stage scaled by the total. A stage clipped by its
+    own norm would no longer step where the model's gradient points."""
+    parameters = list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(grads).full_tensor() ** 2
+    dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=pp_group)
+    total_norm = total_norm.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    return total_norm

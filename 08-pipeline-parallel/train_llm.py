@@ -303,13 +303,8 @@ def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, 
     step_loss /= dist.get_world_size() // args.pp_size  # the dp size
 
     with timers("optimizer"):
-        # The norm is over all stages' gradients: the squares of each stage's norm (over its shards) summed over the
-        # pp group. Each stage clipped by its own norm would no longer step where the model's gradient points.
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm(grads).full_tensor() ** 2
-        dist.all_reduce(grad_norm, op=dist.ReduceOp.SUM, group=pp_group)
-        grad_norm = grad_norm.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), args.max_grad_norm, grad_norm)
+        # The norm of all stages' gradients, not this stage's: one direction for the whole model.
+        grad_norm = pipeline.clip_grad_norm_(model.parameters(), args.max_grad_norm, pp_group)
         optimizer.step()
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
