@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 def main():
     # --- 1. Setup: flags, device, precision ---
-    # The imports' ~370k objects live as long as the process: no full collection (~0.3 s, mid-step) scans them.
+    # The imports' ~370k objects live until exit: no full collection (~0.3 s, mid-step) scans them.
     gc.freeze()
     args = get_parser().parse_args()
     common.setup_logging()
@@ -49,7 +49,7 @@ def main():
     common.check_save_dir(args.save_dir)
     config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
-    # The export is in the model's published dtype (bf16 for most), read now: building in fp32 overwrites it.
+    # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
     # --- 3. Data: tokenized, packed into rows, validation rows held out ---
@@ -73,7 +73,7 @@ def main():
     torch.manual_seed(args.seed)
     model = build_model(args, config)
     if args.activation_checkpointing:
-        # Each block keeps its input (selective: and some matmuls' and attention's outputs), recomputes the rest.
+        # Blocks keep inputs (selective: some matmul and attention outputs too), recompute the rest.
         common.checkpoint_blocks(common.transformer_blocks(model), args.activation_checkpointing)
     model = model.to(device)
     num_params = sum(p.numel() for p in model.parameters())
@@ -81,7 +81,8 @@ def main():
 
     # --- 5. Optimizer and LR schedule ---
     params = common.adamw_param_groups(model, args.weight_decay)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=True)  # one kernel, GPU or CPU
+    # fused=True: one kernel, on GPU or CPU.
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=True)
     # Linear warmup from 0 over --warmup-steps, then cosine decay to 10% of --lr at the last step.
     lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, args.warmup_steps, total_steps, min_lr_rate=0.1
@@ -92,7 +93,7 @@ def main():
     # The data position counts steps of global_batch_rows rows of seq_length tokens.
     layout = {"global_batch_rows": global_batch_rows, "seq_length": args.seq_length}
     state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": secrets.token_hex(4), **layout}
-    state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log line: a resumed run logs the same mean
+    state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log: same mean on resume
     checkpoint = common.latest_checkpoint(exp_dir)
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
@@ -125,10 +126,10 @@ def main():
         model.train()
         stopping = None
         while state["global_step"] < total_steps and not stopping:
-            # Shuffled like DistributedSampler (a fresh permutation seeded with seed + epoch), so the
+            # Shuffled like DistributedSampler (a new permutation seeded with seed + epoch), so the
             # multi-GPU chapters see the very same batches.
             sampler = RandomSampler(train_data, generator=torch.Generator().manual_seed(args.seed + state["epoch"]))
-            # On resume, the batches this epoch already trained on are skipped by index, never loaded.
+            # On resume, this epoch's already-trained batches are skipped by index, never loaded.
             indices = list(sampler)[state["epoch_step"] * global_batch_rows :]
             dataloader = DataLoader(
                 train_data, args.batch_size, sampler=indices, drop_last=True, pin_memory=device.type == "cuda"
@@ -141,7 +142,7 @@ def main():
                 state["global_step"] += 1
                 state["epoch_step"] += 1
                 progress.update()
-                # Accumulated on the device: calling .item() every step would wait for the GPU every step.
+                # Summed on the device: an .item() per step would wait for the GPU every step.
                 running_loss += loss
                 steps_since_log += 1
                 guard.update(state["global_step"], loss, grad_norm)
@@ -149,7 +150,7 @@ def main():
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.name
                 if due(args.log_freq):
-                    timings = timers.summary(steps_since_log)  # waits for the GPU: elapsed then covers all queued work
+                    timings = timers.summary(steps_since_log)  # GPU sync: elapsed spans queued work
                     elapsed = time.perf_counter() - log_start
                     guard.check()
                     metrics = {
@@ -174,14 +175,14 @@ def main():
                     common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
-                    log_start = time.perf_counter()  # evaluating is not training: keep it out of tokens/s
+                    log_start = time.perf_counter()  # evaluating is not training: out of tokens/s
 
                 if due(args.ckpt_freq) or stopping:
                     guard.check()  # a model with NaN weights never becomes a checkpoint
                     state["running_loss"], state["steps_since_log"] = float(running_loss), steps_since_log
                     with timers("checkpoint"):  # what the save costs the training loop
                         save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints)
-                    log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
+                    log_start = time.perf_counter()  # saving is not training: out of tokens/s
                 if stopping:
                     break
 
@@ -200,15 +201,15 @@ def main():
 
 
 def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device):
-    """One optimizer step on --grad-accum-steps micro-batches: its loss and gradient norm, left on the device."""
+    """One optimizer step on --grad-accum-steps micro-batches: loss and gradient norm, on device."""
     step_loss = 0.0
     for _ in range(args.grad_accum_steps):
         with timers("data"):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
 
         with timers("forward"), autocast():
-            # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
-            # Divided by their number, the micro-batches' losses add up to gradients of the step's mean loss.
+            # No KV cache: only generation needs it; its per-layer state makes compile recompile.
+            # Divided by their count, micro-batch losses sum to gradients of the step's mean loss.
             loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
 
         with timers("backward"):
@@ -224,7 +225,7 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
 
 
 def build_model(args, config):
-    """The model in fp32 on the CPU: random weights from the seed, or --from-pretrained the published ones."""
+    """The model in fp32 on CPU: seeded random weights, or --from-pretrained the published ones."""
     if not args.from_pretrained:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     try:
@@ -234,8 +235,8 @@ def build_model(args, config):
 
 
 def init_wandb(args, exp_dir, run_id):
-    """The run's wandb run. Its id comes from the checkpoint: a resumed run continues its wandb run, and a
-    new run (after deleting the folder, or another chapter under the same name) never continues an old one."""
+    """The run's wandb run, its id from the checkpoint: a resumed run continues its wandb run, and a
+    new run (folder deleted, or another chapter under the same name) never continues an old one."""
     wandb.init(
         dir=exp_dir,
         id=run_id,
@@ -247,7 +248,7 @@ def init_wandb(args, exp_dir, run_id):
 
 
 def export_hf(model, config, tokenizer, folder, dtype):
-    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer."""
+    """Writes a folder that `from_pretrained` loads: the weights in `dtype`, and the tokenizer."""
     full_state = model.state_dict()
     with torch.device("meta"):
         export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -260,7 +261,7 @@ def export_hf(model, config, tokenizer, folder, dtype):
 
 def evaluate(model, val_data, args, device, autocast) -> float:
     """The mean loss over the first --eval-batches global batches of the validation rows, without
-    gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
+    gradients. It draws no random numbers, so training after it goes on exactly as without it."""
     global_batch = args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
     total = torch.zeros((), device=device)
@@ -273,9 +274,9 @@ def evaluate(model, val_data, args, device, autocast) -> float:
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep):
-    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position."""
+    """What exact resume needs: weights, optimizer moments, LR schedule, RNG, data position."""
     final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
-    # Written under a temporary name, renamed when complete: a crash mid-save leaves nothing resume would trust.
+    # Written to a .tmp name, renamed when done: a crash mid-save leaves nothing resume would trust.
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     with common.saving(tmp_dir, state["global_step"]):
         shutil.rmtree(tmp_dir, ignore_errors=True)

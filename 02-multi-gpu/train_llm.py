@@ -32,13 +32,13 @@ import common
 logger = logging.getLogger(__name__)
 
 
-@common.record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
+@common.record  # a rank's error goes to torchrun's failure summary, the last lines of a failed job
 def main():
     # --- 1. Setup: flags, device, precision ---
-    # The imports' ~370k objects live as long as the process: no full collection (~0.3 s, mid-step) scans them.
+    # The imports' ~370k objects live until exit: no full collection (~0.3 s, mid-step) scans them.
     gc.freeze()
     args = get_parser().parse_args()
-    if "RANK" not in os.environ:  # started with plain python: no launcher has said which rank this is
+    if "RANK" not in os.environ:  # started by plain python: no launcher said which rank this is
         raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
     # torchrun starts one process per GPU and tells each who it is.
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
@@ -61,7 +61,7 @@ def main():
     with common.rank0_first():
         config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
-    # The export is in the model's published dtype (bf16 for most), read now: building in fp32 overwrites it.
+    # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
     # --- 3. Data: tokenized, packed into rows, validation rows held out ---
@@ -69,7 +69,7 @@ def main():
         train_data, val_data = common.load_and_pack(
             args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=world_size * args.batch_size
         )
-    # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows on every rank.
+    # An optimizer step is --grad-accum-steps micro-batches of --batch-size rows on every rank.
     global_batch_rows = world_size * args.batch_size * args.grad_accum_steps
     steps_per_epoch = len(train_data) // global_batch_rows
     if steps_per_epoch == 0:
@@ -87,7 +87,7 @@ def main():
     with common.rank0_first():  # a first run downloads the weights
         model = build_model(args, config)
     if args.activation_checkpointing:
-        # Each block keeps its input (selective: and some matmuls' and attention's outputs), recomputes the rest.
+        # Blocks keep inputs (selective: some matmul and attention outputs too), recompute the rest.
         common.checkpoint_blocks(common.transformer_blocks(model), args.activation_checkpointing)
     model = model.to(device)
     num_params = sum(p.numel() for p in model.parameters())
@@ -95,7 +95,8 @@ def main():
 
     # --- 5. Optimizer and LR schedule ---
     params = common.adamw_param_groups(model, args.weight_decay)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=True)  # one kernel, GPU or CPU
+    # fused=True: one kernel, on GPU or CPU.
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=True)
     # Linear warmup from 0 over --warmup-steps, then cosine decay to 10% of --lr at the last step.
     lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, args.warmup_steps, total_steps, min_lr_rate=0.1
@@ -109,7 +110,7 @@ def main():
     wandb_run_id = [secrets.token_hex(4)]
     dist.broadcast_object_list(wandb_run_id, src=0)
     state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": wandb_run_id[0], **layout}
-    state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log line: a resumed run logs the same mean
+    state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log: same mean on resume
     checkpoint = common.latest_checkpoint(exp_dir)
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
@@ -117,8 +118,8 @@ def main():
         logger.info(f"Resumed from {checkpoint} at step {state['global_step']}")
 
     # DDP makes every rank start from rank 0's weights and averages the gradients across ranks
-    # during backward, bucket by bucket, while the rest of backward still runs. Not rank 0's buffers at
-    # every forward (BatchNorm's statistics): an LLM's never change, and forward stays free of collectives.
+    # during backward, bucket by bucket, as the rest of backward runs. Not rank 0's buffers at
+    # every forward (BatchNorm's statistics): an LLM's never change, and forward has no collectives.
     model = DistributedDataParallel(
         model, device_ids=[local_rank] if device.type == "cuda" else None, **common.no_forward_buffer_sync()
     )
@@ -128,13 +129,13 @@ def main():
 
     # --- 7. Train ---
     exp_dir.mkdir(parents=True, exist_ok=True)
-    metrics_file = exp_dir / "metrics.jsonl" if rank == 0 else None  # rank 0 writes the job's metrics
+    metrics_file = exp_dir / "metrics.jsonl" if rank == 0 else None  # rank 0 logs the job's metrics
     init_wandb(args, exp_dir, state["wandb_run_id"])
 
     tokens_per_step = global_batch_rows * args.seq_length
     flops_per_step = tokens_per_step * common.flops_per_token(model, config, args.seq_length)
     peak_flops = common.peak_bf16_flops(device)
-    timers = common.PhaseTimers(device, compare_ranks=True)  # names the straggler at log steps (DIAGNOSING.md)
+    timers = common.PhaseTimers(device, compare_ranks=True)  # logs name stragglers (DIAGNOSING.md)
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
     postfix = {}  # what the progress bar shows after the counts
@@ -148,11 +149,11 @@ def main():
         model.train()
         stopping = None
         while state["global_step"] < total_steps and not stopping:
-            # Each rank takes every world_size-th row of the same permutation: disjoint slices of one
+            # Each rank takes every world_size-th row of the same permutation: disjoint parts of one
             # global batch, the same rows chapter 01 trains on with a world_size times larger batch.
             sampler = DistributedSampler(train_data, shuffle=True, seed=args.seed, drop_last=True)
             sampler.set_epoch(state["epoch"])
-            # On resume, the batches this epoch already trained on are skipped by index, never loaded.
+            # On resume, this epoch's already-trained batches are skipped by index, never loaded.
             indices = list(sampler)[state["epoch_step"] * global_batch_rows // world_size :]
             dataloader = DataLoader(
                 train_data, args.batch_size, sampler=indices, drop_last=True, pin_memory=device.type == "cuda"
@@ -165,7 +166,7 @@ def main():
                 state["global_step"] += 1
                 state["epoch_step"] += 1
                 progress.update()
-                # Accumulated on the device: calling .item() every step would wait for the GPU every step.
+                # Summed on the device: an .item() per step would wait for the GPU every step.
                 running_loss += loss
                 steps_since_log += 1
                 guard.update(state["global_step"], loss, grad_norm)
@@ -173,7 +174,7 @@ def main():
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.agreed(device)
                 if due(args.log_freq):
-                    timings = timers.summary(steps_since_log)  # waits for the GPU: elapsed then covers all queued work
+                    timings = timers.summary(steps_since_log)  # GPU sync: elapsed spans queued work
                     elapsed = time.perf_counter() - log_start
                     guard.check()
                     metrics = {
@@ -198,19 +199,19 @@ def main():
                     common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
-                    log_start = time.perf_counter()  # evaluating is not training: keep it out of tokens/s
+                    log_start = time.perf_counter()  # evaluating is not training: out of tokens/s
 
                 if due(args.ckpt_freq) or stopping:
                     guard.check()  # a model with NaN weights never becomes a checkpoint
                     state["running_loss"], state["steps_since_log"] = float(running_loss), steps_since_log
                     with timers("checkpoint"):  # what the save costs the training loop
-                        # All ranks hold the same weights and optimizer state: rank 0 writes for everyone.
+                        # Same weights and optimizer state on all ranks: rank 0 writes for everyone.
                         if rank == 0:
                             save_checkpoint(
                                 exp_dir, model.module, optimizer, lr_scheduler, state, device, args.keep_checkpoints
                             )
-                        dist.barrier()  # no rank runs ahead (and may crash) before the checkpoint is complete
-                    log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
+                        dist.barrier()  # no rank runs ahead (and may crash) until the save is done
+                    log_start = time.perf_counter()  # saving is not training: out of tokens/s
                 if stopping:
                     break
 
@@ -226,29 +227,29 @@ def main():
     else:
         wandb.finish()
         logger.info(f"Done: {state['global_step']} steps in {exp_dir}")
-    # DDP's reducer holds the process group: freed after destroy_process_group, it can hang at exit (pytorch#75097).
+    # DDP's reducer holds the process group: freed after it, exit can hang (pytorch#75097).
     del model
     common.destroy_process_group_and_exit()  # gloo's threads would outlive it: see its docstring
 
 
 def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device):
-    """One optimizer step on --grad-accum-steps micro-batches: its loss and gradient norm, left on the device."""
+    """One optimizer step on --grad-accum-steps micro-batches: loss and gradient norm, on device."""
     step_loss = 0.0
     for micro_step in range(args.grad_accum_steps):
-        # DDP all-reduces in every backward unless told not to: the micro-steps before the last only add locally.
+        # DDP all-reduces every backward unless told not to: earlier micro-steps only add locally.
         model.require_backward_grad_sync = micro_step == args.grad_accum_steps - 1
         with timers("data"):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
 
         with timers("forward"), autocast():
-            # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
-            # Divided by their number, the micro-batches' losses add up to gradients of the step's mean loss.
+            # No KV cache: only generation needs it; its per-layer state makes compile recompile.
+            # Divided by their count, micro-batch losses sum to gradients of the step's mean loss.
             loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
 
         with timers("backward"):
             loss.backward()
         step_loss += loss.detach()
-    # Each rank trained on other rows: the job's loss is their mean (one number, no wait for the GPU).
+    # Each rank trained on other rows: the job's loss is their mean (one number, no GPU wait).
     dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
     step_loss /= dist.get_world_size()
 
@@ -261,7 +262,7 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
 
 
 def build_model(args, config):
-    """The model in fp32 on the CPU: random weights from the seed, or --from-pretrained the published ones."""
+    """The model in fp32 on CPU: seeded random weights, or --from-pretrained the published ones."""
     if not args.from_pretrained:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     try:
@@ -271,7 +272,7 @@ def build_model(args, config):
 
 
 def init_distributed(args, device_type, local_rank):
-    """Joins the job (torchrun said where the others are) and returns the device: the local rank's GPU, or
+    """Joins the job (torchrun said where others are), returns the device: the local rank's GPU, or
     the CPU. A collective that waits longer than the timeout fails instead of hanging forever."""
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
@@ -284,8 +285,8 @@ def init_distributed(args, device_type, local_rank):
 
 
 def init_wandb(args, exp_dir, run_id):
-    """The run's wandb run. Its id comes from the checkpoint: a resumed run continues its wandb run, and a
-    new run (after deleting the folder, or another chapter under the same name) never continues an old one."""
+    """The run's wandb run, its id from the checkpoint: a resumed run continues its wandb run, and a
+    new run (folder deleted, or another chapter under the same name) never continues an old one."""
     # One per rank (each rank's timings and memory are its own), grouped by job.
     rank = dist.get_rank()
     wandb_dir = exp_dir / f"rank-{rank}"
@@ -302,7 +303,7 @@ def init_wandb(args, exp_dir, run_id):
 
 
 def export_hf(model, config, tokenizer, folder, dtype):
-    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer."""
+    """Writes a folder that `from_pretrained` loads: the weights in `dtype`, and the tokenizer."""
     full_state = model.state_dict()
     with torch.device("meta"):
         export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -315,10 +316,10 @@ def export_hf(model, config, tokenizer, folder, dtype):
 
 def evaluate(model, val_data, args, device, autocast) -> float:
     """The mean loss over the first --eval-batches global batches of the validation rows, without
-    gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
+    gradients. It draws no random numbers, so training after it goes on exactly as without it."""
     global_batch = dist.get_world_size() * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
-    # Each rank takes every world_size-th row, and the sum of the batches' mean losses is all-reduced.
+    # Each rank takes every world_size-th row; the sum of the batches' mean losses is all-reduced.
     sampler = DistributedSampler(rows, shuffle=False)
     total = torch.zeros((), device=device)
     model.eval()
@@ -331,9 +332,9 @@ def evaluate(model, val_data, args, device, autocast) -> float:
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep):
-    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position."""
+    """What exact resume needs: weights, optimizer moments, LR schedule, RNG, data position."""
     final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
-    # Written under a temporary name, renamed when complete: a crash mid-save leaves nothing resume would trust.
+    # Written to a .tmp name, renamed when done: a crash mid-save leaves nothing resume would trust.
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     with common.saving(tmp_dir, state["global_step"]):
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -341,7 +342,7 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
         torch.save(model.state_dict(), tmp_dir / "model.pt")
         torch.save(optimizer.state_dict(), tmp_dir / "optimizer.pt")
         torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
-        # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
+        # Same seed, same random numbers on every rank: rank 0's RNG state is everyone's.
         torch.save(common.rng_state(device), tmp_dir / "rng.pt")
         (tmp_dir / "state.json").write_text(json.dumps(state))
         common.publish_checkpoint(tmp_dir, final_dir, keep)

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node gpu 06-fp8/train_llm.py --tp-size 2 --fp8-layers all
     torchrun --standalone --nproc-per-node 2 06-fp8/train_llm.py --fp8-emulate     # CPU: emulated
-    torchrun --standalone --nproc-per-node gpu 06-fp8/train_llm.py --fp8-backend te  # NVIDIA's Transformer Engine
+    torchrun --standalone --nproc-per-node gpu 06-fp8/train_llm.py --fp8-backend te  # NVIDIA's TE
 
 With no arguments it trains a tiny Llama on a small task dataset, both shipped in common/.
 Rerunning the same command resumes from the last checkpoint in --save-dir/--experiment-name.
@@ -42,7 +42,7 @@ from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_w
 import common
 import tp  # beside this script: the plan's checks, and other families' norms
 
-# After common, which quiets torchao's import-time lines; then the chapter's own modules, beside this script.
+# After common, which quiets torchao's import-time lines; then this chapter's modules (same folder).
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
 import te_backend
 import torchao_fp8
@@ -51,21 +51,21 @@ from fp8_stats import Float8Stats
 logger = logging.getLogger(__name__)
 
 
-@common.record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
+@common.record  # a rank's error goes to torchrun's failure summary, the last lines of a failed job
 def main():
     # --- 1. Setup: flags, device, precision ---
-    # The imports' ~370k objects live as long as the process: no full collection (~0.3 s, mid-step) scans them.
+    # The imports' ~370k objects live until exit: no full collection (~0.3 s, mid-step) scans them.
     gc.freeze()
     args = get_parser().parse_args()
-    if "RANK" not in os.environ:  # started with plain python: no launcher has said which rank this is
+    if "RANK" not in os.environ:  # started by plain python: no launcher said which rank this is
         raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
     # torchrun starts one process per GPU and tells each who it is.
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     # Rank 0 speaks for the job; the others only report warnings and errors.
-    prefix = f"[{socket.gethostname()} rank={rank}] "  # where it runs: ranks do not follow a host list's order
+    prefix = f"[{socket.gethostname()} rank={rank}] "  # its host: rank order ignores any host list
     common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
     logger.info(args)
-    # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
+    # torchrun --max-restarts restarts all workers if one fails, resuming from the last checkpoint.
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         logger.warning(f"Workers restarted {os.environ['TORCHELASTIC_RESTART_COUNT']} time(s): resuming")
 
@@ -79,11 +79,11 @@ def main():
     autocast = functools.partial(torch.autocast, device.type, enabled=False)
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
     if args.fp8_backend == "te":
-        autocast = te_backend.setup(args)  # Transformer Engine's layers compute in FP8 only inside its autocast
+        autocast = te_backend.setup(args)  # TE's layers compute in FP8 only inside its autocast
     else:
-        use_compile = torchao_fp8.setup(args, device, use_compile)  # its checks, its layers, compile's switches
-    # Three dimensions. tp, the inner one, groups --tp-size consecutive ranks: a node's GPUs, whose NVLink
-    # carries the collectives TP runs in every block. Around it, chapter 04's (replicate, shard) FSDP.
+        use_compile = torchao_fp8.setup(args, device, use_compile)  # checks, layers, compile flags
+    # Three dimensions; tp (inner) groups --tp-size consecutive ranks: a node's GPUs, whose NVLink
+    # carries TP's collectives in every block. Around it, chapter 04's (replicate, shard) FSDP.
     dp_size = world_size // args.tp_size
     shard_size = args.shard_size or dp_size
     tp.check_layout(args, world_size, shard_size)  # sizes that divide the ranks; tp inside a node
@@ -99,16 +99,16 @@ def main():
     with common.rank0_first(local=args.node_local_cache):
         config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
-    # The export is in the model's published dtype (bf16 for most), read now: building in fp32 overwrites it.
+    # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
-    tp.check_tp_size(args.tp_size, config, args.seq_length)  # whole heads on each rank, and whole tokens
+    tp.check_tp_size(args.tp_size, config, args.seq_length)  # whole heads and whole tokens per rank
 
     # --- 3. Data: tokenized, packed into rows, validation rows held out ---
     with common.rank0_first(local=args.node_local_cache):
         train_data, val_data = common.load_and_pack(
             args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=dp_size * args.batch_size
         )
-    # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows on every dp replica.
+    # An optimizer step is --grad-accum-steps micro-batches of --batch-size rows per dp replica.
     global_batch_rows = dp_size * args.batch_size * args.grad_accum_steps
     steps_per_epoch = len(train_data) // global_batch_rows
     if steps_per_epoch == 0:
@@ -122,15 +122,15 @@ def main():
 
     # --- 4. Model ---
     # Built on the CPU from the seed: every chapter starts from the same weights.
-    # Only rank 0 holds it whole; the others wait on the job's store (rank0_first) as long as a download takes.
+    # Only rank 0 holds it whole; others wait on the job's store (rank0_first) through any download.
     torch.manual_seed(args.seed)
     with common.rank0_first():
         full_model = build_model(args, config) if rank == 0 else None
-    # Every rank builds the structure on the meta device (shapes, no memory) and allocates only its shards.
+    # Each rank builds the model on the meta device (shapes, no memory), allocating only its shards.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if args.activation_checkpointing:
-        # Each block keeps its input (selective: and some matmuls' and attention's outputs), recomputes the rest.
+        # Blocks keep inputs (selective: some matmul and attention outputs too), recompute the rest.
         common.checkpoint_blocks(common.transformer_blocks(model), args.activation_checkpointing)
     # Found once, now: fully_shard changes each block's class, and then the names would not match.
     blocks = common.transformer_blocks(model)
@@ -143,7 +143,8 @@ def main():
 
     # --- 5. Optimizer and LR schedule ---
     params = common.adamw_param_groups(model, args.weight_decay)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=True)  # one kernel, GPU or CPU
+    # fused=True: one kernel, on GPU or CPU.
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=True)
     # Linear warmup from 0 over --warmup-steps, then cosine decay to 10% of --lr at the last step.
     lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, args.warmup_steps, total_steps, min_lr_rate=0.1
@@ -157,25 +158,26 @@ def main():
     wandb_run_id = [secrets.token_hex(4)]
     dist.broadcast_object_list(wandb_run_id, src=0)
     state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": wandb_run_id[0], **layout}
-    state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log line: a resumed run logs the same mean
+    state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log: same mean on resume
     checkpoint = common.latest_checkpoint(exp_dir)
     common.check_shared_save_dir(checkpoint)  # every rank resumes from rank 0's step
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device)
         common.check_resume(checkpoint, state, layout)
         logger.info(f"Resumed from {checkpoint} at step {state['global_step']}")
-    # The first step's FP8 weight scales for FSDP's FP8 all-gathers, one all-reduce for all, as after every step.
+    # Step 1's FP8 weight scales for FSDP's FP8 all-gathers, in one all-reduce as after every step.
     precompute_float8_dynamic_scale_for_fsdp(model)
 
     # --- 7. Train ---
     exp_dir.mkdir(parents=True, exist_ok=True)
-    metrics_file = exp_dir / "metrics.jsonl" if rank == 0 else None  # rank 0 writes the job's metrics
+    metrics_file = exp_dir / "metrics.jsonl" if rank == 0 else None  # rank 0 logs the job's metrics
     init_wandb(args, exp_dir, state["wandb_run_id"])
 
     tokens_per_step = global_batch_rows * args.seq_length
     flops_per_step = tokens_per_step * common.flops_per_token(model, config, args.seq_length)
     peak_flops = common.peak_bf16_flops(device)
-    timers = common.PhaseTimers(device, compare_ranks=True, blocks=blocks)  # blocks: timed without FSDP's waits
+    # The blocks are timed without FSDP's waits.
+    timers = common.PhaseTimers(device, compare_ranks=True, blocks=blocks)
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
     async_saves = common.AsyncCheckpoints(args.dist_timeout, device, optimizer) if args.async_checkpoints else None
@@ -191,10 +193,10 @@ def main():
         model.train()
         stopping = None
         while state["global_step"] < total_steps and not stopping:
-            # Each dp replica takes every dp_size-th row. By dp rank, not rank: a tp group's ranks share their rows.
+            # A dp replica takes every dp_size-th row by dp rank, not rank: a tp group shares rows.
             sampler = DistributedSampler(train_data, dp_size, dp_rank, shuffle=True, seed=args.seed, drop_last=True)
             sampler.set_epoch(state["epoch"])
-            # On resume, the batches this epoch already trained on are skipped by index, never loaded.
+            # On resume, this epoch's already-trained batches are skipped by index, never loaded.
             indices = list(sampler)[state["epoch_step"] * global_batch_rows // dp_size :]
             dataloader = DataLoader(
                 train_data, args.batch_size, sampler=indices, drop_last=True, pin_memory=device.type == "cuda"
@@ -202,7 +204,7 @@ def main():
             batches = iter(dataloader)
 
             for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
-                fp8_stats.start(step=state["global_step"] + 1)  # a step with statistics runs eagerly, with hooks
+                fp8_stats.start(step=state["global_step"] + 1)  # statistics step: eager, with hooks
                 loss, grad_norm = train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device)
                 if fp8_metrics := fp8_stats.stop():
                     common.log_metrics(fp8_metrics, metrics_file)
@@ -210,7 +212,7 @@ def main():
                 state["global_step"] += 1
                 state["epoch_step"] += 1
                 progress.update()
-                # Accumulated on the device: calling .item() every step would wait for the GPU every step.
+                # Summed on the device: an .item() per step would wait for the GPU every step.
                 running_loss += loss
                 steps_since_log += 1
                 guard.update(state["global_step"], loss, grad_norm)
@@ -218,7 +220,7 @@ def main():
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.agreed(device)
                 if due(args.log_freq):
-                    timings = timers.summary(steps_since_log)  # waits for the GPU: elapsed then covers all queued work
+                    timings = timers.summary(steps_since_log)  # GPU sync: elapsed spans queued work
                     elapsed = time.perf_counter() - log_start
                     guard.check()
                     metrics = {
@@ -244,7 +246,7 @@ def main():
                     common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
-                    log_start = time.perf_counter()  # evaluating is not training: keep it out of tokens/s
+                    log_start = time.perf_counter()  # evaluating is not training: out of tokens/s
 
                 if due(args.ckpt_freq) or stopping:
                     guard.check()  # a model with NaN weights never becomes a checkpoint
@@ -253,7 +255,7 @@ def main():
                         save_checkpoint(
                             exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints, async_saves
                         )
-                    log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
+                    log_start = time.perf_counter()  # saving is not training: out of tokens/s
                 if stopping:
                     break
 
@@ -263,7 +265,7 @@ def main():
 
     # --- 8. Export ---
     if async_saves:
-        async_saves.close()  # a stop, and the end, wait for the last checkpoint to be written and published
+        async_saves.close()  # stop or end: wait for the last checkpoint to be written and published
     if args.export_hf and not stopping:
         export_hf(model, config, tokenizer, args.export_hf, export_dtype)
     if stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
@@ -275,36 +277,36 @@ def main():
 
 
 def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device):
-    """One optimizer step on --grad-accum-steps micro-batches: its loss and gradient norm, left on the device."""
+    """One optimizer step on --grad-accum-steps micro-batches: loss and gradient norm, on device."""
     step_loss = 0.0
     for micro_step in range(args.grad_accum_steps):
-        # FSDP reduce-scatters every micro-step's gradients into the sharded sum: DDP's no-sync would keep a
-        # full fp32 gradient on every rank (30 GiB at 8B). Only HSDP's all-reduce waits for the last micro-step.
+        # FSDP reduce-scatters micro-step gradients into the sharded sum: DDP's no-sync would keep a
+        # full fp32 gradient per rank (30 GiB at 8B). Only HSDP's all-reduce awaits the last one.
         model.set_requires_all_reduce(micro_step == args.grad_accum_steps - 1)
         with timers("data"):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
 
-        # loss_parallel: the logits stay split over the vocabulary, and the cross-entropy combines the tp ranks'
-        # parts without gathering them: full-vocabulary logits are the largest activation of a small model.
+        # loss_parallel: logits stay split over the vocabulary; cross-entropy combines the tp ranks'
+        # parts ungathered: full-vocabulary logits are a small model's largest activation.
         with timers("forward"), autocast(), loss_parallel():
-            # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
+            # No KV cache: only generation needs it; its per-layer state makes compile recompile.
             logits = model(input_ids=batch["input_ids"], use_cache=False).logits
-            # Divided by their number, the micro-batches' losses add up to gradients of the step's mean loss.
+            # Divided by their count, micro-batch losses sum to gradients of the step's mean loss.
             loss = next_token_loss(logits, batch["labels"]) / args.grad_accum_steps
-            # Backward needs the loss's fp32 log-probabilities, not the logits: freed now, not after it.
+            # Backward needs the loss's fp32 log-probabilities, not logits: freed now, not after it.
             del logits
 
         with timers("backward"), loss_parallel():
             loss.backward()
         step_loss += loss.detach()
-    # Each rank trained on other rows: the job's loss is their mean (one number, no wait for the GPU).
+    # Each rank trained on other rows: the job's loss is their mean (one number, no GPU wait).
     dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
     step_loss /= dist.get_world_size()
 
     with timers("optimizer"):
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
-        # The next step's FP8 weight scales, all at once (one all-reduce for their amaxes; none to make
+        # The next step's FP8 weight scales at once (one all-reduce for their amaxes; none to make
         # without FSDP's FP8 all-gathers).
         precompute_float8_dynamic_scale_for_fsdp(model)
         lr_scheduler.step()
@@ -313,7 +315,7 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
 
 
 def build_model(args, config):
-    """The model in fp32 on the CPU: random weights from the seed, or --from-pretrained the published ones."""
+    """The model in fp32 on CPU: seeded random weights, or --from-pretrained the published ones."""
     if not args.from_pretrained:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     try:
@@ -323,15 +325,15 @@ def build_model(args, config):
 
 
 def send_full_weights(model, full_model, device):
-    """Rank 0's full weights (`full_model`; None elsewhere), sent tensor by tensor into every rank's shards."""
+    """Rank 0's full weights (`full_model`, else None), sent per tensor into every rank's shards."""
     rank = dist.get_rank()
     full_state = full_model.state_dict() if rank == 0 else {}
-    if rank == 0:  # TE's layers have an extra state (FP8 metadata; none yet) that HF's layers have not
+    if rank == 0:  # TE's layers have an extra state (FP8 metadata; none yet) that HF's lack
         full_state |= {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    # Buffers outside the state dict (rotary frequencies) are sent too, to the device (to_empty: maybe the CPU).
+    # Non-state-dict buffers (rotary frequencies) are sent too, to the device (to_empty: maybe CPU).
     for name, buffer in model.named_buffers():
-        # TP replicated some over the tp ranks (Gemma's embedding scale): sent as plain tensors, and kept so.
+        # TP replicated some over tp (Gemma's embedding scale): sent and kept as plain tensors.
         local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
         value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty_like(local, device=device)
         dist.broadcast(value, src=0)
@@ -342,30 +344,30 @@ def send_full_weights(model, full_model, device):
 
 
 def parallelize(model, blocks, mesh, args, dtype, use_compile):
-    """What the chapter does to the model, in the order it must be done (torchtitan's parallelize_llama
-    is the model; main() has switched on activation checkpointing): FP8, tensor parallel, compile, then FSDP."""
-    # FP8 first: TP's float8 styles and FSDP's FP8 all-gathers (tensorwise: half bf16's bytes) act on its layers.
+    """What the chapter does to the model, in the required order (torchtitan's parallelize_llama
+    is the model; main() enabled activation checkpointing): FP8, TP, compile, then FSDP."""
+    # FP8 first, for TP's float8 styles and FSDP's FP8 all-gathers (tensorwise: half bf16's bytes).
     fp8_all_gather = args.fp8_backend == "torchao" and args.fp8_recipe == "tensorwise"
     if args.fp8_backend == "te":
         te_backend.convert(blocks)
     else:
-        # FSDP's FP8 all-gathers only where FSDP gathers (torchtitan's rule): one shard rank would cast each
-        # weight eagerly at every unshard, outside the compiled block, and skip FSDP's fused copy, for nothing.
+        # FP8 all-gathers only if FSDP gathers (torchtitan's rule): one shard rank would cast each
+        # weight eagerly per unshard outside the compiled block and skip FSDP's fused copy: no gain.
         apply_float8(blocks, args, fp8_all_gather and mesh["shard"].size() > 1)
-    # A run "in FP8" with no layer in FP8 would only be slower: refused, and otherwise said what is in FP8.
+    # A run "in FP8" with no layer in FP8 is only slower: refused; else, what is in FP8 is logged.
     in_fp8, summary = torchao_fp8.fp8_summary(model, blocks, torchao_fp8.fp8_left_out(args))
     if not in_fp8:
         raise SystemExit(f"error: no layer would compute in FP8: {summary}")
     logger.info(summary)
     # TP first, then FSDP shards the TP shards over dp: each weight is split in two dimensions.
     if args.tp_size > 1:
-        # (gloo cannot send FP8 bytes: on the CPU, inputs are all-gathered first, then cast, to the same numbers.)
+        # (gloo cannot send FP8 bytes: on CPU, inputs are all-gathered, then cast: same numbers.)
         apply_tp(model, blocks, mesh["tp"], fp8_all_gather and mesh.device_type == "cuda")
     if use_compile:
-        # Each block on its own, FSDP's hooks between blocks outside the compiled code; and whole (fullgraph): a
-        # graph break would silently split it, leaving the collectives and casts between the pieces uncompiled.
+        # Each block alone (FSDP's hooks between blocks stay uncompiled), and whole (fullgraph): a
+        # graph break would silently split it: collectives and casts between the pieces uncompiled.
         for block in blocks:
-            block.compile(fullgraph=args.fp8_backend != "te")  # TE's layers break the graph by design
+            block.compile(fullgraph=args.fp8_backend != "te")  # TE's layers break graphs by design
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
     # A 2-D mesh is HSDP to fully_shard; with one group, its 1-D shard dimension is plain FSDP.
@@ -374,8 +376,8 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
 
 
 def apply_float8(blocks, args, fp8_all_gather):
-    """Swaps the blocks' nn.Linear layers for torchao's Float8Linear: those whose slice on each GPU (under TP)
-    FP8 can multiply, and with --fp8-layers fast only those large enough to be faster, by torchao's thresholds."""
+    """Swaps the blocks' nn.Linear for torchao's Float8Linear: those whose per-GPU slice (under TP)
+    FP8 can multiply, and with --fp8-layers fast only those above torchao's speed-up thresholds."""
     config = Float8LinearConfig.from_recipe_name(args.fp8_recipe)
     config = dataclasses.replace(config, emulate=args.fp8_emulate, enable_fsdp_float8_all_gather=fp8_all_gather)
     keep = torchao_fp8.fp8_filter(args.fp8_recipe, args.tp_size, fast_only=args.fp8_layers == "fast")
@@ -384,8 +386,8 @@ def apply_float8(blocks, args, fp8_all_gather):
 
 
 def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
-    """Shards the input embeddings, each block and the output head as units, then the root (the rest). A unit's
-    weights are all-gathered just before its forward and backward, its gradients reduce-scattered when ready, while
+    """Shards units: input embeddings, each block, output head; then the root (the rest). A unit's
+    weights all-gathered only for forward and backward, gradients reduce-scattered when ready, while
     the next unit computes. The root's stay gathered all step: the largest, embeddings and head, are units (untied)."""
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     tied = model.config.tie_word_embeddings
@@ -400,9 +402,9 @@ def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
 
 
 def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
-    """Splits each block's matmuls over the tp ranks (Megatron-LM's tensor parallel), its norms over the
-    tokens (sequence parallel), the embedding and output layer over the vocabulary (README: "How it works").
-    The plan names Llama's modules, which Mistral, Qwen and others share; HF passes attention its input by keyword."""
+    """Splits each block's matmuls over tp ranks (Megatron-LM's tensor parallel), its norms over the
+    tokens (sequence parallel), the embedding and head over the vocabulary (README: "How it works").
+    The plan names Llama's modules, as in Mistral, Qwen, others; HF calls attention by keyword."""
     root_plan = {
         # The embedding's output is the first residual stream: split over the tokens. It stays a
         # DTensor (use_local_output=False), whose shape HF reads as the full sequence's.
@@ -428,7 +430,7 @@ def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
         "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
     }
     if fp8_all_gather:
-        # Layers in FP8 take torchao's float8 styles: inputs and output gradients cast before TP gathers them.
+        # FP8 layers take torchao's float8 styles: inputs, output gradients cast before TP gathers.
         block_plan |= torchao_fp8.float8_styles(block_plan, blocks[0])
     # The norms other families add; and any module the plan does not name, refused (tp.py).
     block_plan |= tp.norm_plan(blocks[0], model.config)
@@ -437,25 +439,25 @@ def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
     for block in blocks:
         parallelize_module(block, tp_mesh, block_plan)
     if model.config.tie_word_embeddings:
-        # Both were split over the vocabulary (dim 0) alike, but into two new parameters: tie them again.
+        # Both split alike over the vocabulary (dim 0), but into two new parameters: tie them again.
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
 def next_token_loss(logits, labels):
-    """Chapter 01's loss, HF's from labels: the mean cross-entropy of each token's next-token prediction, in fp32."""
+    """Chapter 01's loss (HF's from labels): mean fp32 cross-entropy of next-token predictions."""
     labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-    # Under loss_parallel, the same value on every tp rank: its local copy, which backward goes through.
+    # Under loss_parallel, equal on every tp rank: its local copy, which backward goes through.
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def init_distributed(args, device_type, local_rank):
-    """Joins the job (torchrun said where the others are) and returns the device: the local rank's GPU, or
+    """Joins the job (torchrun said where others are), returns the device: the local rank's GPU, or
     the CPU. A collective that waits longer than the timeout fails instead of hanging forever."""
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        # With --cpu-offload, collectives over the shards and gradients on the CPU (clipping's norm) need gloo too.
+        # --cpu-offload: collectives over CPU shards and gradients (clipping's norm) need gloo too.
         backend = "cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl"
         dist.init_process_group(backend, timeout=timedelta(minutes=args.dist_timeout), device_id=device)
     else:
@@ -467,8 +469,8 @@ def init_distributed(args, device_type, local_rank):
 
 
 def init_wandb(args, exp_dir, run_id):
-    """The run's wandb run. Its id comes from the checkpoint: a resumed run continues its wandb run, and a
-    new run (after deleting the folder, or another chapter under the same name) never continues an old one."""
+    """The run's wandb run, its id from the checkpoint: a resumed run continues its wandb run, and a
+    new run (folder deleted, or another chapter under the same name) never continues an old one."""
     # One per rank (each rank's timings and memory are its own), grouped by job.
     rank = dist.get_rank()
     wandb_dir = exp_dir / f"rank-{rank}"
@@ -485,9 +487,9 @@ def init_wandb(args, exp_dir, run_id):
 
 
 def export_hf(model, config, tokenizer, folder, dtype):
-    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer."""
+    """Writes a folder that `from_pretrained` loads: the weights in `dtype`, and the tokenizer."""
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:  # the full weights were gathered onto rank 0's CPU: rank 0 alone writes them
+    if dist.get_rank() != 0:  # full weights were gathered onto rank 0's CPU: it alone writes them
         return
     with torch.device("meta"):
         export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -501,10 +503,10 @@ def export_hf(model, config, tokenizer, folder, dtype):
 
 def evaluate(model, val_data, args, device, autocast, dp_mesh) -> float:
     """The mean loss over the first --eval-batches global batches of the validation rows, without
-    gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
+    gradients. It draws no random numbers, so training after it goes on exactly as without it."""
     global_batch = dp_mesh.size() * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
-    # Each replica takes every dp_size-th row; the sum of the batches' mean losses is all-reduced over dp.
+    # Each replica takes every dp_size-th row; summed batch mean losses are all-reduced over dp.
     sampler = DistributedSampler(rows, num_replicas=dp_mesh.size(), rank=dp_mesh.get_local_rank(), shuffle=False)
     total = torch.zeros((), device=device)
     model.eval()
@@ -519,9 +521,9 @@ def evaluate(model, val_data, args, device, autocast, dp_mesh) -> float:
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):
     """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position.
-    With `async_saves`, it returns once the copy to CPU memory has started: written and published beside training."""
+    With `async_saves`, returns once the CPU copy starts: written and published beside training."""
     final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
-    # Written under a temporary name, renamed when complete: a crash mid-save leaves nothing resume would trust.
+    # Written to a .tmp name, renamed when done: a crash mid-save leaves nothing resume would trust.
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     rank = dist.get_rank()
     with common.saving(tmp_dir, state["global_step"]):
@@ -529,11 +531,11 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
             shutil.rmtree(tmp_dir, ignore_errors=True)
             tmp_dir.mkdir(parents=True)
             torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
-            # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
+            # Same seed, same random numbers on every rank: rank 0's RNG state is everyone's.
             torch.save(common.rng_state(device), tmp_dir / "rng.pt")
             (tmp_dir / "state.json").write_text(json.dumps(state))
         dist.barrier()
-        # Every rank writes its own shards, and DCP records where each sits in the full tensor: resharded on load.
+        # Each rank writes its shards; DCP maps each into the full tensor, so load can reshard.
         model_state, optimizer_state = get_state_dict(model, optimizer)
         shards = {"model": torchao_fp8.weights_only(model_state), "optimizer": optimizer_state}
         if async_saves:
@@ -543,7 +545,7 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
             if rank == 0:
                 common.publish_checkpoint(tmp_dir, final_dir, keep)
                 logger.info(f"Saved {final_dir}")
-    dist.barrier()  # no rank runs ahead (and may crash) before the checkpoint is complete, or under way
+    dist.barrier()  # no rank runs ahead (and may crash) until the save is done, or under way
 
 
 def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:

@@ -47,21 +47,21 @@ import ring
 logger = logging.getLogger(__name__)
 
 
-@common.record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
+@common.record  # a rank's error goes to torchrun's failure summary, the last lines of a failed job
 def main():
     # --- 1. Setup: flags, device, precision ---
-    # The imports' ~370k objects live as long as the process: no full collection (~0.3 s, mid-step) scans them.
+    # The imports' ~370k objects live until exit: no full collection (~0.3 s, mid-step) scans them.
     gc.freeze()
     args = get_parser().parse_args()
-    if "RANK" not in os.environ:  # started with plain python: no launcher has said which rank this is
+    if "RANK" not in os.environ:  # started by plain python: no launcher said which rank this is
         raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
     # torchrun starts one process per GPU and tells each who it is.
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     # Rank 0 speaks for the job; the others only report warnings and errors.
-    prefix = f"[{socket.gethostname()} rank={rank}] "  # where it runs: ranks do not follow a host list's order
+    prefix = f"[{socket.gethostname()} rank={rank}] "  # its host: rank order ignores any host list
     common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
     logger.info(args)
-    # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
+    # torchrun --max-restarts restarts all workers if one fails, resuming from the last checkpoint.
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         logger.warning(f"Workers restarted {os.environ['TORCHELASTIC_RESTART_COUNT']} time(s): resuming")
 
@@ -75,15 +75,15 @@ def main():
     # FSDP's mixed precision casts the weights for the matmuls itself: no autocast.
     autocast = functools.partial(torch.autocast, device.type, enabled=False)
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
-    # FSDP shards every tensor over --shard-size ranks (default: all). Fewer (a node's GPUs) is HSDP: a replica per
-    # group, whose all-gathers and reduce-scatters stay inside it; only the gradient shards' all-reduce crosses.
+    # FSDP shards each tensor over --shard-size ranks (default: all). Fewer (a node's GPUs) is HSDP:
+    # a replica per group, collectives inside it; only the gradient shards' all-reduce crosses.
     shard_size = args.shard_size or world_size
     if world_size % shard_size:
         raise SystemExit(f"error: --shard-size {shard_size} must divide the number of ranks ({world_size})")
     mesh = init_device_mesh(device.type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
-    # The rows are dealt over dp; cp, the inner dimension, groups --cp-size consecutive ranks (a node's
-    # GPUs, on NVLink) that split each row's tokens. FSDP shards over them all (the mesh above): the cp
-    # ranks hold the same weights as the dp ranks do, and sharding them over more ranks costs nothing more.
+    # Rows are dealt over dp; cp, the inner dimension, groups --cp-size consecutive ranks (a node's
+    # GPUs, on NVLink) that split each row's tokens. FSDP shards over all (the mesh above): the cp
+    # ranks hold the same weights as the dp ranks, and sharding over more ranks costs nothing more.
     ring.check_layout(args, world_size, shard_size)
     dp_size = world_size // args.cp_size
     cp_mesh = init_device_mesh(device.type, (dp_size, args.cp_size), mesh_dim_names=("dp", "cp"))
@@ -95,7 +95,7 @@ def main():
     with common.rank0_first(local=args.node_local_cache):
         config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
-    # The export is in the model's published dtype (bf16 for most), read now: building in fp32 overwrites it.
+    # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
     # --- 3. Data: tokenized, packed into rows, validation rows held out ---
@@ -118,15 +118,15 @@ def main():
 
     # --- 4. Model ---
     # Built on the CPU from the seed: every chapter starts from the same weights.
-    # Only rank 0 holds it whole; the others wait on the job's store (rank0_first) as long as a download takes.
+    # Only rank 0 holds it whole; others wait on the job's store (rank0_first) through any download.
     torch.manual_seed(args.seed)
     with common.rank0_first():
         full_model = build_model(args, config) if rank == 0 else None
-    # Every rank builds the structure on the meta device (shapes, no memory) and allocates only its shards.
+    # Each rank builds the model on the meta device (shapes, no memory), allocating only its shards.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if args.activation_checkpointing:
-        # Each block keeps its input (selective: and some matmuls' and attention's outputs), recomputes the rest.
+        # Blocks keep inputs (selective: some matmul and attention outputs too), recompute the rest.
         common.checkpoint_blocks(common.transformer_blocks(model), args.activation_checkpointing)
     # Found once, now: fully_shard changes each block's class, and then the names would not match.
     blocks = common.transformer_blocks(model)
@@ -140,7 +140,8 @@ def main():
 
     # --- 5. Optimizer and LR schedule ---
     params = common.adamw_param_groups(model, args.weight_decay)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=True)  # one kernel, GPU or CPU
+    # fused=True: one kernel, on GPU or CPU.
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=True)
     # Linear warmup from 0 over --warmup-steps, then cosine decay to 10% of --lr at the last step.
     lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, args.warmup_steps, total_steps, min_lr_rate=0.1
@@ -154,7 +155,7 @@ def main():
     wandb_run_id = [secrets.token_hex(4)]
     dist.broadcast_object_list(wandb_run_id, src=0)
     state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": wandb_run_id[0], **layout}
-    state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log line: a resumed run logs the same mean
+    state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log: same mean on resume
     checkpoint = common.latest_checkpoint(exp_dir)
     common.check_shared_save_dir(checkpoint)  # every rank resumes from rank 0's step
     if checkpoint is not None:
@@ -164,13 +165,14 @@ def main():
 
     # --- 7. Train ---
     exp_dir.mkdir(parents=True, exist_ok=True)
-    metrics_file = exp_dir / "metrics.jsonl" if rank == 0 else None  # rank 0 writes the job's metrics
+    metrics_file = exp_dir / "metrics.jsonl" if rank == 0 else None  # rank 0 logs the job's metrics
     init_wandb(args, exp_dir, state["wandb_run_id"])
 
     tokens_per_step = global_batch_rows * args.seq_length
     flops_per_step = tokens_per_step * common.flops_per_token(model, config, args.seq_length)
     peak_flops = common.peak_bf16_flops(device)
-    timers = common.PhaseTimers(device, compare_ranks=True, blocks=blocks)  # blocks: timed without FSDP's waits
+    # The blocks are timed without FSDP's waits.
+    timers = common.PhaseTimers(device, compare_ranks=True, blocks=blocks)
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
     async_saves = common.AsyncCheckpoints(args.dist_timeout, device, optimizer) if args.async_checkpoints else None
@@ -185,11 +187,11 @@ def main():
         model.train()
         stopping = None
         while state["global_step"] < total_steps and not stopping:
-            # Each dp rank takes every dp_size-th row of the same permutation. By dp rank, not by rank:
-            # the ranks of a cp group must see the same rows, each keeping its slice of their tokens.
+            # Each dp rank takes every dp_size-th row of the same permutation. By dp rank, not rank:
+            # a cp group's ranks must see the same rows, each keeping its slice of their tokens.
             sampler = DistributedSampler(train_data, dp_size, dp_rank, shuffle=True, seed=args.seed, drop_last=True)
             sampler.set_epoch(state["epoch"])
-            # On resume, the batches this epoch already trained on are skipped by index, never loaded.
+            # On resume, this epoch's already-trained batches are skipped by index, never loaded.
             indices = list(sampler)[state["epoch_step"] * global_batch_rows // dp_size :]
             dataloader = DataLoader(
                 train_data, args.batch_size, sampler=indices, drop_last=True, pin_memory=device.type == "cuda"
@@ -204,7 +206,7 @@ def main():
                 state["global_step"] += 1
                 state["epoch_step"] += 1
                 progress.update()
-                # Accumulated on the device: calling .item() every step would wait for the GPU every step.
+                # Summed on the device: an .item() per step would wait for the GPU every step.
                 running_loss += loss
                 steps_since_log += 1
                 guard.update(state["global_step"], loss, grad_norm)
@@ -212,7 +214,7 @@ def main():
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.agreed(device)
                 if due(args.log_freq):
-                    timings = timers.summary(steps_since_log)  # waits for the GPU: elapsed then covers all queued work
+                    timings = timers.summary(steps_since_log)  # GPU sync: elapsed spans queued work
                     elapsed = time.perf_counter() - log_start
                     guard.check()
                     metrics = {
@@ -238,7 +240,7 @@ def main():
                     common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
-                    log_start = time.perf_counter()  # evaluating is not training: keep it out of tokens/s
+                    log_start = time.perf_counter()  # evaluating is not training: out of tokens/s
 
                 if due(args.ckpt_freq) or stopping:
                     guard.check()  # a model with NaN weights never becomes a checkpoint
@@ -247,7 +249,7 @@ def main():
                         save_checkpoint(
                             exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints, async_saves
                         )
-                    log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
+                    log_start = time.perf_counter()  # saving is not training: out of tokens/s
                 if stopping:
                     break
 
@@ -257,7 +259,7 @@ def main():
 
     # --- 8. Export ---
     if async_saves:
-        async_saves.close()  # a stop, and the end, wait for the last checkpoint to be written and published
+        async_saves.close()  # stop or end: wait for the last checkpoint to be written and published
     if args.export_hf and not stopping:
         export_hf(model, config, tokenizer, args.export_hf, export_dtype)
     if stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
@@ -269,13 +271,13 @@ def main():
 
 
 def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device, cp_mesh):
-    """One optimizer step on --grad-accum-steps micro-batches: its loss and gradient norm, left on the device."""
+    """One optimizer step on --grad-accum-steps micro-batches: loss and gradient norm, on device."""
     step_loss = 0.0
     for micro_step in range(args.grad_accum_steps):
-        # FSDP reduce-scatters every micro-step's gradients into the sharded sum: DDP's no-sync would keep a
-        # full fp32 gradient on every rank (30 GiB at 8B). Only HSDP's all-reduce waits for the last micro-step.
+        # FSDP reduce-scatters micro-step gradients into the sharded sum: DDP's no-sync would keep a
+        # full fp32 gradient per rank (30 GiB at 8B). Only HSDP's all-reduce awaits the last one.
         model.set_requires_all_reduce(micro_step == args.grad_accum_steps - 1)
-        # Attention runs as ring attention from forward to the end of backward, which passes the keys'
+        # Attention is ring attention from forward to the end of backward, which passes the keys'
         # and values' gradients around the ring too: entered here, closed after backward.
         ring = contextlib.ExitStack()
         with timers("data"):
@@ -283,15 +285,15 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
             batch = ring.enter_context(shard_sequences(batch, cp_mesh["cp"]))
 
         with timers("forward"), autocast():
-            # No KV cache: only generation needs it, and its per-layer state makes compile recompile.
-            # Divided by their number, the micro-batches' losses add up to gradients of the step's mean loss.
+            # No KV cache: only generation needs it; its per-layer state makes compile recompile.
+            # Divided by their count, micro-batch losses sum to gradients of the step's mean loss.
             loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
 
         with timers("backward"):
             loss.backward()
         ring.close()
         step_loss += loss.detach()
-    # Each rank trained on other rows: the job's loss is their mean (one number, no wait for the GPU).
+    # Each rank trained on other rows: the job's loss is their mean (one number, no GPU wait).
     dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
     step_loss /= dist.get_world_size()
 
@@ -304,7 +306,7 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
 
 
 def build_model(args, config):
-    """The model in fp32 on the CPU: random weights from the seed, or --from-pretrained the published ones."""
+    """The model in fp32 on CPU: seeded random weights, or --from-pretrained the published ones."""
     if not args.from_pretrained:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     try:
@@ -314,11 +316,11 @@ def build_model(args, config):
 
 
 def send_full_weights(model, full_model, device):
-    """Rank 0's full weights (`full_model`; None elsewhere), sent tensor by tensor into every rank's shards."""
+    """Rank 0's full weights (`full_model`, else None), sent per tensor into every rank's shards."""
     rank = dist.get_rank()
     full_state = full_model.state_dict() if rank == 0 else {}
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    # Buffers outside the state dict (rotary frequencies) are sent too, to the device (to_empty: maybe the CPU).
+    # Non-state-dict buffers (rotary frequencies) are sent too, to the device (to_empty: maybe CPU).
     for name, buffer in model.named_buffers():
         value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty_like(buffer, device=device)
         dist.broadcast(value, src=0)
@@ -327,11 +329,11 @@ def send_full_weights(model, full_model, device):
 
 
 def parallelize(model, blocks, mesh, args, dtype, use_compile):
-    """What the chapter does to the model, in the order it must be done (torchtitan's parallelize_llama
+    """What the chapter does to the model, in the required order (torchtitan's parallelize_llama
     is the model; main() has switched on activation checkpointing): compile, then FSDP."""
     if use_compile:
-        # Each block on its own, FSDP's hooks between blocks outside the compiled code; and whole (fullgraph): a
-        # graph break would silently split it, leaving the collectives and casts between the pieces uncompiled.
+        # Each block alone (FSDP's hooks between blocks stay uncompiled), and whole (fullgraph): a
+        # graph break would silently split it: collectives and casts between the pieces uncompiled.
         for block in blocks:
             block.compile(fullgraph=True)
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -343,13 +345,13 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
 
 @contextlib.contextmanager
 def shard_sequences(batch, cp_mesh):
-    """The batch as this cp rank's slice of every row: each row cut into 2 x cp chunks, the rank keeping
+    """The batch as this cp rank's slice of each row: rows cut into 2 x cp chunks, the rank keeping
     the head chunk r and the tail chunk 2cp-1-r (the causal work even), with SDPA as ring attention
     meanwhile. The labels are shifted on the whole row first: a slice's last token predicts the next
-    slice's first. Position ids are sliced alike, or each slice would be rotated as positions 0, 1, ...
-    Each rank's loss is the sum of its tokens' losses over its share of the rows' tokens (a rank's count
-    differs: the row's last token predicts nothing). The mean over a cp group's ranks is then the rows'
-    mean loss, and FSDP, which averages the gradients over all ranks, cp ranks included, averages over
+    slice's first. Position ids are cut alike, or each slice would be rotated as positions 0, 1, ...
+    Each rank's loss is its tokens' loss sum over its share of the rows' tokens (a rank's count
+    differs: the row's last token predicts nothing). Their mean over a cp group is then the rows'
+    mean loss, and FSDP, averaging gradients over all ranks, cp ranks included, averages over
     the dp ranks the gradients of their rows' mean: chapter 04's."""
     if cp_mesh.size() == 1:  # chapter 04's step
         yield batch
@@ -368,8 +370,8 @@ def shard_sequences(batch, cp_mesh):
 
 
 def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
-    """Shards the input embeddings, each block and the output head as units, then the root (the rest). A unit's
-    weights are all-gathered just before its forward and backward, its gradients reduce-scattered when ready, while
+    """Shards units: input embeddings, each block, output head; then the root (the rest). A unit's
+    weights all-gathered only for forward and backward, gradients reduce-scattered when ready, while
     the next unit computes. The root's stay gathered all step: the largest, embeddings and head, are units (untied)."""
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     tied = model.config.tie_word_embeddings
@@ -384,12 +386,12 @@ def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
 
 
 def init_distributed(args, device_type, local_rank):
-    """Joins the job (torchrun said where the others are) and returns the device: the local rank's GPU, or
+    """Joins the job (torchrun said where others are), returns the device: the local rank's GPU, or
     the CPU. A collective that waits longer than the timeout fails instead of hanging forever."""
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        # With --cpu-offload, collectives over the shards and gradients on the CPU (clipping's norm) need gloo too.
+        # --cpu-offload: collectives over CPU shards and gradients (clipping's norm) need gloo too.
         backend = "cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl"
         dist.init_process_group(backend, timeout=timedelta(minutes=args.dist_timeout), device_id=device)
     else:
@@ -401,8 +403,8 @@ def init_distributed(args, device_type, local_rank):
 
 
 def init_wandb(args, exp_dir, run_id):
-    """The run's wandb run. Its id comes from the checkpoint: a resumed run continues its wandb run, and a
-    new run (after deleting the folder, or another chapter under the same name) never continues an old one."""
+    """The run's wandb run, its id from the checkpoint: a resumed run continues its wandb run, and a
+    new run (folder deleted, or another chapter under the same name) never continues an old one."""
     # One per rank (each rank's timings and memory are its own), grouped by job.
     rank = dist.get_rank()
     wandb_dir = exp_dir / f"rank-{rank}"
@@ -419,9 +421,9 @@ def init_wandb(args, exp_dir, run_id):
 
 
 def export_hf(model, config, tokenizer, folder, dtype):
-    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer."""
+    """Writes a folder that `from_pretrained` loads: the weights in `dtype`, and the tokenizer."""
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:  # the full weights were gathered onto rank 0's CPU: rank 0 alone writes them
+    if dist.get_rank() != 0:  # full weights were gathered onto rank 0's CPU: it alone writes them
         return
     with torch.device("meta"):
         export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -434,11 +436,11 @@ def export_hf(model, config, tokenizer, folder, dtype):
 
 def evaluate(model, val_data, args, device, autocast, cp_mesh) -> float:
     """The mean loss over the first --eval-batches global batches of the validation rows, without
-    gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
+    gradients. It draws no random numbers, so training after it goes on exactly as without it."""
     global_batch = cp_mesh["dp"].size() * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
-    # Each dp rank takes every dp_size-th row, and the sum of the batches' mean losses is all-reduced:
-    # each cp rank's loss estimates its batch's mean, so their sum over a cp group counts it cp times.
+    # Each dp rank takes every dp_size-th row; the sum of the batches' mean losses is all-reduced:
+    # each cp rank's loss estimates its batch's mean: their sum over a cp group counts it cp times.
     sampler = DistributedSampler(
         rows, num_replicas=cp_mesh["dp"].size(), rank=cp_mesh["dp"].get_local_rank(), shuffle=False
     )
@@ -455,9 +457,9 @@ def evaluate(model, val_data, args, device, autocast, cp_mesh) -> float:
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):
     """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position.
-    With `async_saves`, it returns once the copy to CPU memory has started: written and published beside training."""
+    With `async_saves`, returns once the CPU copy starts: written and published beside training."""
     final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
-    # Written under a temporary name, renamed when complete: a crash mid-save leaves nothing resume would trust.
+    # Written to a .tmp name, renamed when done: a crash mid-save leaves nothing resume would trust.
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     rank = dist.get_rank()
     with common.saving(tmp_dir, state["global_step"]):
@@ -465,11 +467,11 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
             shutil.rmtree(tmp_dir, ignore_errors=True)
             tmp_dir.mkdir(parents=True)
             torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
-            # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
+            # Same seed, same random numbers on every rank: rank 0's RNG state is everyone's.
             torch.save(common.rng_state(device), tmp_dir / "rng.pt")
             (tmp_dir / "state.json").write_text(json.dumps(state))
         dist.barrier()
-        # Every rank writes its own shards, and DCP records where each sits in the full tensor: resharded on load.
+        # Each rank writes its shards; DCP maps each into the full tensor, so load can reshard.
         model_state, optimizer_state = get_state_dict(model, optimizer)
         shards = {"model": model_state, "optimizer": optimizer_state}
         if async_saves:
@@ -479,7 +481,7 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
             if rank == 0:
                 common.publish_checkpoint(tmp_dir, final_dir, keep)
                 logger.info(f"Saved {final_dir}")
-    dist.barrier()  # no rank runs ahead (and may crash) before the checkpoint is complete, or under way
+    dist.barrier()  # no rank runs ahead (and may crash) until the save is done, or under way
 
 
 def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:

@@ -1,5 +1,5 @@
-"""Chapter 08: pipeline parallel: the model's blocks cut into --pp-size stages, each rank running its stage's
-micro-batches in a schedule's order, activations passed on and their gradients back. FSDP2 shards each stage.
+"""Chapter 08: pipeline parallel: the blocks cut into --pp-size stages, each rank runs its stage's
+micro-batches in a schedule's order, activations sent on, gradients back. FSDP2 shards each stage.
 
     torchrun --standalone --nproc-per-node gpu 08-pipeline-parallel/train_llm.py --pp-size 2
 
@@ -44,21 +44,21 @@ import pipeline
 logger = logging.getLogger(__name__)
 
 
-@common.record  # a failing rank's error goes to torchrun's failure summary, the last lines of a failed job
+@common.record  # a rank's error goes to torchrun's failure summary, the last lines of a failed job
 def main():
     # --- 1. Setup: flags, device, precision ---
-    # The imports' ~370k objects live as long as the process: no full collection (~0.3 s, mid-step) scans them.
+    # The imports' ~370k objects live until exit: no full collection (~0.3 s, mid-step) scans them.
     gc.freeze()
     args = get_parser().parse_args()
-    if "RANK" not in os.environ:  # started with plain python: no launcher has said which rank this is
+    if "RANK" not in os.environ:  # started by plain python: no launcher said which rank this is
         raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
     # torchrun starts one process per GPU and tells each who it is.
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     # Rank 0 speaks for the job; the others only report warnings and errors.
-    prefix = f"[{socket.gethostname()} rank={rank}] "  # where it runs: ranks do not follow a host list's order
+    prefix = f"[{socket.gethostname()} rank={rank}] "  # its host: rank order ignores any host list
     common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
     logger.info(args)
-    # torchrun --max-restarts restarts all workers when one fails; they resume from the last checkpoint.
+    # torchrun --max-restarts restarts all workers if one fails, resuming from the last checkpoint.
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         logger.warning(f"Workers restarted {os.environ['TORCHELASTIC_RESTART_COUNT']} time(s): resuming")
 
@@ -71,15 +71,15 @@ def main():
     # FSDP's mixed precision casts the weights for the matmuls itself: no autocast.
     autocast = functools.partial(torch.autocast, device.type, enabled=False)
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
-    # The stages are the mesh's outer dimension: --pp-size groups of consecutive ranks (nodes), between which only
-    # activations and their gradients pass. FSDP shards each stage over its dp ranks, all of its group by default
-    # (--shard-size fewer: HSDP, a replica per group, whose all-gathers and reduce-scatters stay inside it).
+    # The outer mesh dimension: --pp-size stages of consecutive ranks (nodes), between which only
+    # activations and their gradients pass. FSDP shards each stage over its dp ranks, all by default
+    # (--shard-size fewer: HSDP, a replica per group, all-gathers and reduce-scatters inside it).
     dp_size = world_size // args.pp_size
     shard_size = args.shard_size or dp_size
     pipeline.check_layout(args, world_size, shard_size)
     mesh_shape, mesh_dim_names = (args.pp_size, dp_size // shard_size, shard_size), ("pp", "replicate", "shard")
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=mesh_dim_names)
-    dp_rank = rank % dp_size  # which rows this rank's pipeline trains on (pp is the outer dimension)
+    dp_rank = rank % dp_size  # the rows this rank's pipeline trains on (pp is the outer dimension)
 
     # --- 2. Config and tokenizer ---
     # Everything that can fail on bad input happens before anything is written.
@@ -87,7 +87,7 @@ def main():
     with common.rank0_first(local=args.node_local_cache):
         config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
-    # The export is in the model's published dtype (bf16 for most), read now: building in fp32 overwrites it.
+    # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
     # --- 3. Data: tokenized, packed into rows, validation rows held out ---
@@ -95,7 +95,7 @@ def main():
         train_data, val_data = common.load_and_pack(
             args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=world_size * args.batch_size
         )
-    # An optimizer step trains on --grad-accum-steps micro-batches of --pp-size x --batch-size rows in every
+    # An optimizer step is --grad-accum-steps micro-batches of --pp-size x --batch-size rows in each
     # pipeline (cut into --pp-microbatches): chapter 04's rows for as many ranks.
     global_batch_rows = world_size * args.batch_size * args.grad_accum_steps
     steps_per_epoch = len(train_data) // global_batch_rows
@@ -110,25 +110,26 @@ def main():
 
     # --- 4. Model ---
     # Built on the CPU from the seed: every chapter starts from the same weights.
-    # Only rank 0 holds it whole; the others wait on the job's store (rank0_first) as long as a download takes.
+    # Only rank 0 holds it whole; others wait on the job's store (rank0_first) through any download.
     torch.manual_seed(args.seed)
     with common.rank0_first():
         full_model = build_model(args, config) if rank == 0 else None
-    # Every rank builds the structure on the meta device (shapes, no memory) and allocates only its shards.
+    # Each rank builds the model on the meta device (shapes, no memory), allocating only its shards.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if args.activation_checkpointing:
-        # Each block keeps its input (selective: and some matmuls' and attention's outputs), recomputes the rest.
+        # Blocks keep inputs (selective: some matmul and attention outputs too), recompute the rest.
         common.checkpoint_blocks(common.transformer_blocks(model), args.activation_checkpointing)
     # Found once, now: fully_shard changes each block's class, and then the names would not match.
     blocks = common.transformer_blocks(model)
     pipeline.check_model(model, blocks, args)
-    flops_per_token = common.flops_per_token(model, config, args.seq_length)  # the whole model's, before the cut
-    # This rank's stages (pp rank r's: r, and r + pp, ... with looped schedules), each a module of its own, and
-    # `model` cut down to theirs: what the optimizer and the checkpoints see, under chapter 04's names.
+    # The whole model's, before the cut into stages.
+    flops_per_token = common.flops_per_token(model, config, args.seq_length)
+    # This rank's stages (pp rank r's: r, r + pp, ... in looped schedules), each its own module, and
+    # `model` cut down to theirs: what the optimizer and checkpoints see, under chapter 04's names.
     num_stages, stage_ids = pipeline.rank_stages(args, mesh["pp"].get_local_rank())
     stage_modules, my_blocks = pipeline.split(model, blocks, stage_ids, num_stages)
-    for stage_module in stage_modules:  # each an FSDP root of its own, which its PipelineStage drives
+    for stage_module in stage_modules:  # each its own FSDP root, driven by its PipelineStage
         stage_blocks = [block for block in my_blocks if block in set(stage_module.modules())]
         parallelize(stage_module, stage_blocks, mesh, args, dtype, use_compile)
         stage_module.to_empty(device="cpu" if args.cpu_offload else device)  # allocated through it
@@ -136,13 +137,13 @@ def main():
     del full_model
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(f"{num_params:,} parameters in stages {stage_ids} of {num_stages}, sharded over {shard_size} ranks")
-    # Each stage sends its outputs to the next stage's rank over the pp group (in the next node), shapes given.
+    # Each stage sends outputs over the pp group to the next stage's rank (next node), shapes given.
     stages = [
         PipelineStage(stage_module, i, num_stages, device, group=mesh["pp"].get_group(),
                       **pipeline.shapes(args, config, dtype, i, num_stages))
         for i, stage_module in zip(stage_ids, stage_modules)
     ]  # fmt: skip
-    # The schedule cuts each batch into micro-batches, and runs this rank's forwards and backwards in its order.
+    # The schedule cuts batches into micro-batches, runs this rank's forward and backward in order.
     schedule = get_schedule_class(args.pp_schedule)(
         stages if len(stages) > 1 else stages[0], n_microbatches=pipeline.microbatch_count(args),
         loss_fn=functools.partial(model.loss_function, vocab_size=config.vocab_size), scale_grads=False,
@@ -150,7 +151,8 @@ def main():
 
     # --- 5. Optimizer and LR schedule ---
     params = common.adamw_param_groups(model, args.weight_decay)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=True)  # one kernel, GPU or CPU
+    # fused=True: one kernel, on GPU or CPU.
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=True)
     # Linear warmup from 0 over --warmup-steps, then cosine decay to 10% of --lr at the last step.
     lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, args.warmup_steps, total_steps, min_lr_rate=0.1
@@ -164,7 +166,7 @@ def main():
     wandb_run_id = [secrets.token_hex(4)]
     dist.broadcast_object_list(wandb_run_id, src=0)
     state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": wandb_run_id[0], **layout}
-    state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log line: a resumed run logs the same mean
+    state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log: same mean on resume
     checkpoint = common.latest_checkpoint(exp_dir)
     common.check_shared_save_dir(checkpoint)  # every rank resumes from rank 0's step
     if checkpoint is not None:
@@ -174,13 +176,14 @@ def main():
 
     # --- 7. Train ---
     exp_dir.mkdir(parents=True, exist_ok=True)
-    metrics_file = exp_dir / "metrics.jsonl" if rank == 0 else None  # rank 0 writes the job's metrics
+    metrics_file = exp_dir / "metrics.jsonl" if rank == 0 else None  # rank 0 logs the job's metrics
     init_wandb(args, exp_dir, state["wandb_run_id"])
 
     tokens_per_step = global_batch_rows * args.seq_length
     flops_per_step = tokens_per_step * flops_per_token
     peak_flops = common.peak_bf16_flops(device)
-    timers = common.PhaseTimers(device, compare_ranks=True, blocks=my_blocks)  # timed without FSDP's waits
+    # my_blocks: timed without FSDP's waits.
+    timers = common.PhaseTimers(device, compare_ranks=True, blocks=my_blocks)
     guard = common.NonFiniteGuard(device)
     stop = common.StopSignal()
     async_saves = common.AsyncCheckpoints(args.dist_timeout, device, optimizer) if args.async_checkpoints else None
@@ -195,11 +198,12 @@ def main():
         model.train()
         stopping = None
         while state["global_step"] < total_steps and not stopping:
-            # Each pipeline (a dp rank's ranks, one per stage) takes every dp_size-th row of the same permutation:
-            # --batch-size rows for each of its ranks. The first stage needs their tokens, the last their labels.
+            # Each pipeline (a dp rank's ranks, one per stage) takes every dp_size-th row of the
+            # same permutation: --batch-size rows per rank; the first stage needs their tokens, the
+            # last their labels.
             sampler = DistributedSampler(train_data, dp_size, dp_rank, shuffle=True, seed=args.seed, drop_last=True)
             sampler.set_epoch(state["epoch"])
-            # On resume, the batches this epoch already trained on are skipped by index, never loaded.
+            # On resume, this epoch's already-trained batches are skipped by index, never loaded.
             indices = list(sampler)[state["epoch_step"] * global_batch_rows // dp_size :]
             dataloader = DataLoader(
                 train_data, args.pp_size * args.batch_size, sampler=indices, drop_last=True,
@@ -215,7 +219,7 @@ def main():
                 state["global_step"] += 1
                 state["epoch_step"] += 1
                 progress.update()
-                # Accumulated on the device: calling .item() every step would wait for the GPU every step.
+                # Summed on the device: an .item() per step would wait for the GPU every step.
                 running_loss += loss
                 steps_since_log += 1
                 guard.update(state["global_step"], loss, grad_norm)
@@ -223,7 +227,7 @@ def main():
                 # A stop skips the evaluation, to save the checkpoint sooner (torchrun waits 30 s).
                 stopping = stop.agreed(device)
                 if due(args.log_freq):
-                    timings = timers.summary(steps_since_log)  # waits for the GPU: elapsed then covers all queued work
+                    timings = timers.summary(steps_since_log)  # GPU sync: elapsed spans queued work
                     elapsed = time.perf_counter() - log_start
                     guard.check()
                     metrics = {
@@ -249,7 +253,7 @@ def main():
                     common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
-                    log_start = time.perf_counter()  # evaluating is not training: keep it out of tokens/s
+                    log_start = time.perf_counter()  # evaluating is not training: out of tokens/s
 
                 if due(args.ckpt_freq) or stopping:
                     guard.check()  # a model with NaN weights never becomes a checkpoint
@@ -258,7 +262,7 @@ def main():
                         save_checkpoint(
                             exp_dir, model, optimizer, lr_scheduler, state, device, args.keep_checkpoints, async_saves
                         )
-                    log_start = time.perf_counter()  # saving is not training: keep it out of tokens/s
+                    log_start = time.perf_counter()  # saving is not training: out of tokens/s
                 if stopping:
                     break
 
@@ -268,7 +272,7 @@ def main():
 
     # --- 8. Export ---
     if async_saves:
-        async_saves.close()  # a stop, and the end, wait for the last checkpoint to be written and published
+        async_saves.close()  # stop or end: wait for the last checkpoint to be written and published
     if args.export_hf and not stopping:
         export_hf(common.latest_checkpoint(exp_dir), config, tokenizer, args.export_hf, export_dtype)
     if stopping:  # Slurm may have stopped wandb's service with the same signal: leave it
@@ -280,24 +284,26 @@ def main():
 
 
 def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, device, pp_group):
-    """One optimizer step on --grad-accum-steps micro-batches: its loss and gradient norm, left on the device."""
+    """One optimizer step on --grad-accum-steps micro-batches: loss and gradient norm, on device."""
     step_loss = torch.zeros((), device=device)  # the last stage's losses; 0 on the other stages
     for micro_step in range(args.grad_accum_steps):
         with timers("data"):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            # HF's loss: the mean over all pipelines' predicted tokens (labels shifted, -100 ignored), however the
-            # rows are cut into micro-batches. Each one's is its sum over their count (a row counted by each pp rank).
+            # HF's loss: the mean over all pipelines' predicted tokens (labels shifted, -100
+            # ignored), however the rows are cut into micro-batches. Each one's is its sum over
+            # their count (a row counted by each pp rank).
             num_items = (batch["labels"][:, 1:] != -100).sum() * args.grad_accum_steps
             dist.all_reduce(num_items, op=dist.ReduceOp.SUM)
 
         with timers("pipeline"):
-            # This rank's stages' forwards and backwards in the schedule's order: the first stage reads the tokens,
-            # the last the labels. FSDP reduce-scatters a stage's gradients after its last micro-batch's backward.
-            losses, loss_kwargs = [], {"num_items_in_batch": num_items / dist.get_world_size()}  # per dp rank
+            # This rank's stages' forwards and backwards in the schedule's order: the first stage
+            # reads the tokens, the last the labels. FSDP reduce-scatters a stage's gradients after
+            # its last backward. num_items_in_batch is per dp rank.
+            losses, loss_kwargs = [], {"num_items_in_batch": num_items / dist.get_world_size()}
             schedule.step(batch["input_ids"], target=batch["labels"], losses=losses, loss_kwargs=loss_kwargs,
-                          return_outputs=False)  # no logits kept to the step's end: each freed after its backward
+                          return_outputs=False)  # logits freed after each backward, not at step end
         step_loss += sum(loss.detach() for loss in losses)
-    # Each pipeline's last stage holds its loss (the other stages, 0): their sum over the world, divided by
+    # A pipeline's loss is on its last stage (others hold 0): the sum over the world, divided by
     # the number of pipelines (the dp ranks), is the job's mean.
     dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
     step_loss /= dist.get_world_size() // args.pp_size  # the dp size
@@ -312,7 +318,7 @@ def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, 
 
 
 def build_model(args, config):
-    """The model in fp32 on the CPU: random weights from the seed, or --from-pretrained the published ones."""
+    """The model in fp32 on CPU: seeded random weights, or --from-pretrained the published ones."""
     if not args.from_pretrained:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     try:
@@ -322,13 +328,13 @@ def build_model(args, config):
 
 
 def send_full_weights(model, full_model, device):
-    """Rank 0's full weights (`full_model`; None elsewhere), sent tensor by tensor into every rank's shards."""
+    """Rank 0's full weights (`full_model`, else None), sent per tensor into every rank's shards."""
     rank = dist.get_rank()
     full_state = full_model.state_dict() if rank == 0 else {}
-    # Not strict: rank 0's full weights hold every stage's, and each rank's model its own stages' only.
+    # Not strict: rank 0's full weights hold every stage's; each rank's model, only its own stages'.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     assert not set_model_state_dict(model, full_state, options=options).missing_keys
-    # Buffers outside the state dict (rotary frequencies) are sent too, to the device (to_empty: maybe the CPU).
+    # Non-state-dict buffers (rotary frequencies) are sent too, to the device (to_empty: maybe CPU).
     for name, buffer in model.named_buffers():
         value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty_like(buffer, device=device)
         dist.broadcast(value, src=0)
@@ -337,11 +343,11 @@ def send_full_weights(model, full_model, device):
 
 
 def parallelize(model, blocks, mesh, args, dtype, use_compile):
-    """What the chapter does to the model, in the order it must be done (torchtitan's parallelize_llama
+    """What the chapter does to the model, in the required order (torchtitan's parallelize_llama
     is the model; main() has switched on activation checkpointing): compile, then FSDP."""
     if use_compile:
-        # Each block on its own, FSDP's hooks between blocks outside the compiled code; and whole (fullgraph): a
-        # graph break would silently split it, leaving the collectives and casts between the pieces uncompiled.
+        # Each block alone (FSDP's hooks between blocks stay uncompiled), and whole (fullgraph): a
+        # graph break would silently split it: collectives and casts between the pieces uncompiled.
         for block in blocks:
             block.compile(fullgraph=True)
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -352,10 +358,10 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
 
 
 def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy, args):
-    """Shards the input embeddings, each block and the output head as units, then the root (the rest). A unit's
-    weights are all-gathered just before its forward and backward, its gradients reduce-scattered when ready, while
+    """Shards units: input embeddings, each block, output head; then the root (the rest). A unit's
+    weights all-gathered only for forward and backward, gradients reduce-scattered when ready, while
     the next unit computes. The root's stay gathered all step: the largest, embeddings and head, are units (untied).
-    In a pipeline, the units stay gathered from the first micro-batch's forward to the last's backward (torchtitan
+    In a pipeline, units stay gathered across all micro-batches' forwards and backwards (torchtitan
     does so): gathered for each, they would cost --pp-microbatches times the bytes."""
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     tied = model.config.tie_word_embeddings
@@ -370,12 +376,12 @@ def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy, args):
 
 
 def init_distributed(args, device_type, local_rank):
-    """Joins the job (torchrun said where the others are) and returns the device: the local rank's GPU, or
+    """Joins the job (torchrun said where others are), returns the device: the local rank's GPU, or
     the CPU. A collective that waits longer than the timeout fails instead of hanging forever."""
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        # With --cpu-offload, collectives over the shards and gradients on the CPU (clipping's norm) need gloo too.
+        # --cpu-offload: collectives over CPU shards and gradients (clipping's norm) need gloo too.
         backend = "cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl"
         dist.init_process_group(backend, timeout=timedelta(minutes=args.dist_timeout), device_id=device)
     else:
@@ -387,8 +393,8 @@ def init_distributed(args, device_type, local_rank):
 
 
 def init_wandb(args, exp_dir, run_id):
-    """The run's wandb run. Its id comes from the checkpoint: a resumed run continues its wandb run, and a
-    new run (after deleting the folder, or another chapter under the same name) never continues an old one."""
+    """The run's wandb run, its id from the checkpoint: a resumed run continues its wandb run, and a
+    new run (folder deleted, or another chapter under the same name) never continues an old one."""
     # One per rank (each rank's timings and memory are its own), grouped by job.
     rank = dist.get_rank()
     wandb_dir = exp_dir / f"rank-{rank}"
@@ -405,8 +411,8 @@ def init_wandb(args, exp_dir, run_id):
 
 
 def export_hf(checkpoint, config, tokenizer, folder, dtype):
-    """Writes a folder that `from_pretrained` loads: the model's weights in `dtype`, and the tokenizer."""
-    if dist.get_rank() != 0:  # no rank holds every stage: rank 0 reads them from the end's checkpoint
+    """Writes a folder that `from_pretrained` loads: the weights in `dtype`, and the tokenizer."""
+    if dist.get_rank() != 0:  # no rank holds all stages: rank 0 reads them from the last checkpoint
         return
     export_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     dcp.load({"model": export_model.state_dict()}, checkpoint_id=checkpoint, no_dist=True)
@@ -418,10 +424,10 @@ def export_hf(checkpoint, config, tokenizer, folder, dtype):
 
 def evaluate(model, schedule, val_data, args, device, autocast) -> float:
     """The mean loss over the first --eval-batches global batches of the validation rows, without
-    gradients. It draws no random numbers, so that training after it goes on exactly as without it."""
+    gradients. It draws no random numbers, so training after it goes on exactly as without it."""
     global_batch = dist.get_world_size() * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
-    # Each pipeline takes every dp_size-th row, and the sum of its micro-batches' mean losses is all-reduced.
+    # Each pipeline takes every dp_size-th row; the summed micro-batch mean losses are all-reduced.
     dp_size, batch_size = dist.get_world_size() // args.pp_size, args.pp_size * args.batch_size
     sampler = DistributedSampler(rows, dp_size, dist.get_rank() % dp_size, shuffle=False)
     total = torch.zeros((), device=device)
@@ -439,9 +445,9 @@ def evaluate(model, schedule, val_data, args, device, autocast) -> float:
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):
     """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position.
-    With `async_saves`, it returns once the copy to CPU memory has started: written and published beside training."""
+    With `async_saves`, returns once the CPU copy starts: written and published beside training."""
     final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
-    # Written under a temporary name, renamed when complete: a crash mid-save leaves nothing resume would trust.
+    # Written to a .tmp name, renamed when done: a crash mid-save leaves nothing resume would trust.
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
     rank = dist.get_rank()
     with common.saving(tmp_dir, state["global_step"]):
@@ -449,13 +455,13 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
             shutil.rmtree(tmp_dir, ignore_errors=True)
             tmp_dir.mkdir(parents=True)
             torch.save(lr_scheduler.state_dict(), tmp_dir / "lr_scheduler.pt")
-            # Every rank seeded alike and drew the same random numbers: rank 0's RNG state is everyone's.
+            # Same seed, same random numbers on every rank: rank 0's RNG state is everyone's.
             torch.save(common.rng_state(device), tmp_dir / "rng.pt")
             (tmp_dir / "state.json").write_text(json.dumps(state))
         dist.barrier()
-        # Every rank writes its own shards, and DCP records where each sits in the full tensor: resharded on load.
+        # Each rank writes its shards; DCP maps each into the full tensor, so load can reshard.
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        pipeline.name_every_stage(optimizer_state)  # as chapter 04's: a checkpoint that loads at any --pp-size
+        pipeline.name_every_stage(optimizer_state)  # named as chapter 04's: loads at any --pp-size
         shards = {"model": model_state, "optimizer": optimizer_state}
         if async_saves:
             async_saves.start(shards, tmp_dir, final_dir, state["global_step"], keep)
@@ -464,7 +470,7 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
             if rank == 0:
                 common.publish_checkpoint(tmp_dir, final_dir, keep)
                 logger.info(f"Saved {final_dir}")
-    dist.barrier()  # no rank runs ahead (and may crash) before the checkpoint is complete, or under way
+    dist.barrier()  # no rank runs ahead (and may crash) until the save is done, or under way
 
 
 def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
