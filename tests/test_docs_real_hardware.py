@@ -15,7 +15,7 @@ written tomorrow is taken tomorrow. What the CPU cannot have is mapped, here and
 - the GPU to the CPU: `--device cuda` (which 03's launchers add) is dropped, chapter 06 emulates FP8
   (--fp8-emulate), Transformer Engine is tests/fake_te, and chapter 09 computes in bf16 (grouped_mm's
   fake kernel, as the GPU's, takes nothing else; its all-to-all's split sizes, which fake tensors do not
-  have, are even: dry_run.py).
+  have, are even: tools.memory.even_splits).
 
 Commands a CPU runs as written are tests/test_docs_walkthrough.py's, in the order a reader meets them.
 """

@@ -354,6 +354,32 @@ def test_memory_tool_measures_a_real_fsdp_step_beside_the_plan():
     assert measured <= planned <= 1.15 * measured, proc.stdout
 
 
+def test_memory_tool_measures_an_expert_parallel_step_beside_the_plan(tmp_path):
+    """python -m tools.memory --ep-size, as chapter 09's README runs it: Qwen3-30B-A3B's widths (2 of its
+    blocks) on 2 x 8 fake ranks, ep 8, under FSDPMemTracker, its all-to-alls' splits even: each rank's
+    weights and AdamW's moments are its 16 experts' share (sharded over efsdp 2) and the dense ones',
+    as the planner counts them; the activations within 6%. As for chapter 04, the peak is the loss's
+    backward, before any gradient exists, which the planner counts as held: its total is above."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(REPO / "tools" / "model_shapes" / "qwen3-30b-a3b")
+    config.num_hidden_layers = 2
+    config.save_pretrained(tmp_path)
+    command = [sys.executable, "-m", "tools.memory", str(tmp_path), "--nodes", "2", "--ep-size", "8"]
+    command += ["--batch-size", "2", "--seq-length", "4096", "--activation-checkpointing"]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "chapter 09 on 2 x 8 GPUs" in proc.stdout, proc.stdout
+    rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in proc.stdout.splitlines()[2:8]}
+    for name in ["weights", "optimizer"]:
+        measured, planned = rows[name]
+        assert measured == pytest.approx(planned, rel=0.02), (name, proc.stdout)
+    measured, planned = rows["activations"]
+    assert measured == pytest.approx(planned, rel=0.06), proc.stdout
+    measured, planned = rows["total"]
+    assert measured <= planned <= 1.15 * measured, proc.stdout
+
+
 def test_data_prepared_beforehand_is_found_by_the_chapters(tmp_path):
     """python -m tools.prepare fills the cache that a chapter then reads: the chapter tokenizes nothing."""
     from harness import FAST_ARGS, chapter_env, run_chapter

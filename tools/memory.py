@@ -5,16 +5,20 @@ shape under fake tensors (no memory, no arithmetic), with the fake process-group
 rank 0 of the whole job: every tensor FSDP2, DTensor and AdamW allocate is counted, by kind, at the
 step's peak. Any size runs in minutes on a laptop. Not compiled (fake tensors cannot be), so the
 planner is asked for the eager step too. Chapter 04's step (FSDP, HSDP), chapter 05's with --tp-size
-(FSDP x TP), or chapter 07's with --cp-size (FSDP x CP, its ring attention on the fake process group).
+(FSDP x TP), chapter 07's with --cp-size (FSDP x CP, its ring attention on the fake process group), or
+chapter 09's with --ep-size (FSDP x EP: its all-to-alls, their split sizes even, as the planner assumes).
 
     python -m tools.memory tools/model_shapes/llama-3.1-8b --batch-size 2 --seq-length 4096 --grad-accum-steps 2
     python -m tools.memory tools/model_shapes/llama-3.1-70b --nodes 4 --tp-size 8 --batch-size 8 \\
         --seq-length 4096 --activation-checkpointing
     python -m tools.memory tools/model_shapes/llama-3.1-8b --cp-size 8 --batch-size 1 --seq-length 131072 \\
         --activation-checkpointing
+    python -m tools.memory tools/model_shapes/qwen3-30b-a3b --nodes 2 --ep-size 8 --batch-size 2 \\
+        --seq-length 4096 --activation-checkpointing
 """
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import sys
@@ -40,11 +44,12 @@ def load(chapter: str):
     return module
 
 
-def tracked_peak(chapter, config, mesh, argv, cp_mesh=None) -> dict:
+def tracked_peak(chapter, config, mesh, argv, cp_mesh=None, expert_mesh=None) -> dict:
     """GiB that rank 0 holds at the peak of the chapter's second training step (the first makes AdamW's
     state), by FSDPMemTracker's kinds, "Total" included. `mesh`: the chapter's (replicate, shard,
-    tp) mesh, or (replicate, shard) for chapters 04 and 07; `argv`: the chapter's flags; `cp_mesh`:
-    chapter 07's (dp, cp) mesh, which its train_step takes."""
+    tp) mesh, or (replicate, shard) for chapters 04, 07 and 09; `argv`: the chapter's flags; `cp_mesh`:
+    chapter 07's (dp, cp) mesh, which its train_step takes; `expert_mesh`: chapter 09's (replicate,
+    efsdp, ep) mesh."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.tensor import _sharding_prop
@@ -55,6 +60,8 @@ def tracked_peak(chapter, config, mesh, argv, cp_mesh=None) -> dict:
 
     args = chapter.get_parser().parse_args(argv)
     device = torch.device("cpu")
+    if expert_mesh is not None:  # as chapter 09's main(): the routers' balancing loss on
+        chapter.experts.set_balancing_loss(config, args)
     # transformers counts fake tensors as tracing, and then builds a causal mask and repeats keys and values
     # for every head, which a real step does not (20 KB per token per block at 8B); it takes the real
     # step's path with fake tensors not tracing, and no packed sequences found, as in the chapters' rows.
@@ -66,16 +73,21 @@ def tracked_peak(chapter, config, mesh, argv, cp_mesh=None) -> dict:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if args.activation_checkpointing:  # as the chapter's main applies it
         checkpoint_blocks(transformer_blocks(model), args.activation_checkpointing)
-    step_args = ()
+    step_args, layers, meshes = (), (), (mesh,)
+    if expert_mesh is not None:  # as chapter 09's main(): its layers of experts, and their mesh
+        layers, meshes = (chapter.experts.check_model(model, args, torch.bfloat16),), (mesh, expert_mesh)
     if cp_mesh is not None:  # as chapter 07's main(): the CPU's kernel on the ring, and SDPA with no mask
         chapter.cpu_ring_attention.register(device)
         chapter.ring.check_model(model, args)
         step_args = (cp_mesh,)
-    chapter.parallelize(model, transformer_blocks(model), mesh, args, torch.bfloat16, use_compile=False)
+    chapter.parallelize(model, transformer_blocks(model), *meshes, args, torch.bfloat16, use_compile=False)
     # DTensor derives each op's output shape on full-size tensors, in the fake mode it finds: in one of its own,
     # as on a real run, where FSDPMemTracker leaves them out.
     own_mode = mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *args: None)
-    with FakeTensorMode(allow_non_fake_inputs=True), not_tracing, not_packed, own_mode:  # the mesh's rank tensors
+    splits = contextlib.ExitStack()
+    if expert_mesh is not None:
+        splits.callback(even_splits())
+    with FakeTensorMode(allow_non_fake_inputs=True), not_tracing, not_packed, own_mode, splits:
         model.to_empty(device=device)
         # One tensor at a time, as GPUs' fused AdamW updates them: foreach's temporaries are each the size of
         # all moments, and the fused kernel's fake version returns new tensors of that size.
@@ -91,12 +103,42 @@ def tracked_peak(chapter, config, mesh, argv, cp_mesh=None) -> dict:
 
         autocast = functools.partial(torch.autocast, device.type, enabled=False)
         micro_batches = batches()
-        step = functools.partial(chapter.train_step, model, micro_batches, optimizer, lr_scheduler, args)
+        step = functools.partial(chapter.train_step, model, *layers, micro_batches, optimizer, lr_scheduler, args)
         # A first step untracked, in which AdamW makes its moments.
         step(PhaseTimers(device), autocast, device, *step_args)
         with tracker:
             step(PhaseTimers(device), autocast, device, *step_args)
     return {getattr(kind, "value", kind): value / GIB for kind, value in tracker.get_tracker_snapshot("peak")[device].items()}
+
+
+def even_splits():
+    """Chapter 09's dispatch reads its all-to-all's split sizes on the host (`tolist` of the copies each
+    rank sends and receives), which fake tensors do not have: here the router's choices spread evenly
+    over the ep ranks (the planner's assumption), each rank sending and receiving as many copies as it
+    routed (the numel of the last expert ids it sorted). A real count exchange says the same on average.
+    Also the dry runs' (tests/faults/dry_run.py). Returns the function that puts torch's back."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    routed = {"copies": 0}
+    argsort, tolist = torch.Tensor.argsort, FakeTensor.tolist
+
+    def counting_argsort(self, *args, **kwargs):
+        if self.dim() == 1 and not self.is_floating_point():
+            routed["copies"] = self.numel()
+        return argsort(self, *args, **kwargs)
+
+    def even_tolist(self):
+        if self.dim() != 1 or self.is_floating_point():
+            return tolist(self)
+        ranks = self.numel()
+        return [routed["copies"] // ranks + (rank < routed["copies"] % ranks) for rank in range(ranks)]
+
+    torch.Tensor.argsort, FakeTensor.tolist = counting_argsort, even_tolist
+
+    def undo():
+        torch.Tensor.argsort, FakeTensor.tolist = argsort, tolist
+
+    return undo
 
 
 def main(argv=None) -> None:
@@ -106,14 +148,16 @@ def main(argv=None) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--cp-size", type=int, default=1, help="context parallel (chapter 07)")
+    parser.add_argument("--ep-size", type=int, default=1, help="expert parallel (chapter 09)")
     parser.add_argument("--shard-size", type=int, default=0, help="HSDP: dp ranks per shard group (default: all)")
     parser.add_argument("--activation-checkpointing", nargs="?", const="full", choices=["full", "selective"])
     parser.add_argument("--batch-size", type=int, default=1, help="rows per replica per micro-step")
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--grad-accum-steps", type=int, default=1)
     args = parser.parse_args(argv)
-    if args.tp_size > 1 and args.cp_size > 1:
-        parser.error("--tp-size and --cp-size: no chapter combines them (05 is FSDP x TP, 07 FSDP x CP); pass one")
+    if sum(size > 1 for size in (args.tp_size, args.cp_size, args.ep_size)) > 1:
+        parser.error("--tp-size, --cp-size, --ep-size: no chapter combines them (05 is FSDP x TP, 07 FSDP x CP, "
+                     "09 FSDP x EP); pass one")  # fmt: skip
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -123,13 +167,14 @@ def main(argv=None) -> None:
     dp = gpus // args.tp_size
     shard = args.shard_size or dp
     chapter = "05-tensor-parallel" if args.tp_size > 1 else "07-context-parallel" if args.cp_size > 1 else "04-fsdp"
+    chapter = "09-expert-parallel" if args.ep_size > 1 else chapter
     argv = ["--batch-size", str(args.batch_size), "--seq-length", str(args.seq_length)]
     argv += ["--grad-accum-steps", str(args.grad_accum_steps), "--shard-size", str(shard)]
     if args.activation_checkpointing:
         argv += ["--activation-checkpointing", args.activation_checkpointing]
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
-    cp_mesh = None
+    cp_mesh = expert_mesh = None
     if chapter == "05-tensor-parallel":
         argv += ["--tp-size", str(args.tp_size)]
         mesh = init_device_mesh("cpu", (dp // shard, shard, args.tp_size), mesh_dim_names=("replicate", "shard", "tp"))
@@ -140,11 +185,18 @@ def main(argv=None) -> None:
     if chapter == "07-context-parallel":  # its rows over dp, each row's tokens over cp
         argv += ["--cp-size", str(args.cp_size)]
         cp_mesh = init_device_mesh("cpu", (gpus // args.cp_size, args.cp_size), mesh_dim_names=("dp", "cp"))
-    peak = tracked_peak(load(chapter), AutoConfig.from_pretrained(args.model), mesh, argv, cp_mesh)
+    if chapter == "09-expert-parallel":  # each shard group's ranks split into groups of ep
+        argv += ["--ep-size", str(args.ep_size)]
+        names = ("replicate", "efsdp", "ep")
+        expert_mesh = init_device_mesh("cpu", (dp // shard, shard // args.ep_size, args.ep_size), mesh_dim_names=names)
+        for dims in ["ep", "efsdp", ("replicate", "efsdp")]:
+            expert_mesh[dims].get_coordinate()
+    config = AutoConfig.from_pretrained(args.model)
+    peak = tracked_peak(load(chapter), config, mesh, argv, cp_mesh, expert_mesh)
     dist.destroy_process_group()
 
     layout = Layout("asked", gpus, args.tp_size, True, args.activation_checkpointing, args.shard_size,
-                    args.gpus_per_node, cp=args.cp_size)  # fmt: skip
+                    args.gpus_per_node, cp=args.cp_size, ep=args.ep_size)  # fmt: skip
     planned = plan(count(args.model), layout, args.batch_size, args.seq_length, 2, False, compiled=False)
     print(f"{args.model}, chapter {chapter[:2]} on {args.nodes} x {args.gpus_per_node} GPUs, {' '.join(argv)}")
     print("GiB per GPU at the step's peak   measured (FSDPMemTracker)   planned (tools.plan, not compiled)")

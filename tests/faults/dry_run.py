@@ -126,26 +126,11 @@ def install(path: str) -> None:
 
     schedules._PipelineSchedule._warmup_p2p = shapes_given
 
-    # Chapter 09's dispatch reads its all-to-all's split sizes on the host (`tolist` of the tokens each rank
-    # sends and receives), which fake tensors do not have: the router's choices spread evenly over the ep
-    # ranks (the planner's assumption), each rank sending and receiving as many copies as it routed (the
-    # numel of the last expert ids it sorted). A real count exchange would say the same on average.
-    from torch._subclasses.fake_tensor import FakeTensor
+    # Chapter 09's dispatch reads its all-to-all's split sizes on the host, which fake tensors do not have:
+    # even, as the planner assumes and tools.memory measures.
+    from tools.memory import even_splits
 
-    routed = {"copies": 0}
-    argsort, tolist = torch.Tensor.argsort, FakeTensor.tolist
-
-    def counting_argsort(self, *args, **kwargs):
-        routed["copies"] = self.numel() if self.dim() == 1 and not self.is_floating_point() else routed["copies"]
-        return argsort(self, *args, **kwargs)
-
-    def even_tolist(self):
-        if self.dim() != 1 or self.is_floating_point():
-            return tolist(self)
-        ranks = self.numel()
-        return [routed["copies"] // ranks + (rank < routed["copies"] % ranks) for rank in range(ranks)]
-
-    torch.Tensor.argsort, FakeTensor.tolist = counting_argsort, even_tolist
+    even_splits()
 
     # PROBE_DRY_RUN_DATA_REPEAT: every packed split repeated that many times, for a dataset as large as the
     # one the command names (the embedded one stands in for it, and is smaller than a cluster's global batch).
