@@ -1,4 +1,4 @@
-"""Checkpoint folders: atomic publishing, the newest K kept, and the checks around saving and resuming."""
+"""Checkpoint folders: atomic publishing, the newest K kept, checks around saving and resuming."""
 
 import errno
 import logging
@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.optim import Optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +29,10 @@ def checkpoint_dir(exp_dir: Path, step: int) -> Path:
 
 
 def complete_checkpoints(exp_dir: Path) -> list[Path]:
-    """Complete checkpoint folders, oldest first. Unfinished saves (`*.tmp`) don't match and are ignored."""
-    folders = [p for p in (exp_dir / "checkpoints").glob("step-*") if _CHECKPOINT_NAME.fullmatch(p.name)]
-    return sorted(folders, key=lambda p: int(p.name.removeprefix("step-")))
+    """Complete checkpoint folders, oldest first; unfinished saves (`*.tmp`) don't match."""
+    folders = (exp_dir / "checkpoints").glob("step-*")
+    complete = [p for p in folders if _CHECKPOINT_NAME.fullmatch(p.name)]
+    return sorted(complete, key=lambda p: int(p.name.removeprefix("step-")))
 
 
 def latest_checkpoint(exp_dir: Path) -> Path | None:
@@ -39,11 +41,8 @@ def latest_checkpoint(exp_dir: Path) -> Path | None:
 
 
 def publish_checkpoint(tmp_dir: Path, final_dir: Path, keep: int) -> None:
-    """Makes a fully written `tmp_dir` the checkpoint `final_dir`, atomically, and keeps the newest `keep`.
-
-    Flushed to disk first, then renamed (atomic): a crash at any point leaves the old checkpoints or the new
-    one, never a partial one resume would trust. Several are kept: a bad one is never the only one.
-    """
+    """`tmp_dir`, fully written, becomes `final_dir`: flushed, then renamed (atomic: a crash never
+    leaves a partial checkpoint). The newest `keep` are kept: a bad one is never the only one."""
     for path in [*tmp_dir.rglob("*"), tmp_dir]:
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
@@ -52,34 +51,31 @@ def publish_checkpoint(tmp_dir: Path, final_dir: Path, keep: int) -> None:
     fd = os.open(final_dir.parent, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
-    # Older *.tmp folders are saves that a crash interrupted; they never count as checkpoints. (A newer
-    # one may be a save being written: --async-checkpoints.)
+    # Older *.tmp folders are saves a crash interrupted; a newer one may be an async save in flight.
     stale = [p for p in final_dir.parent.glob("step-*.tmp") if p.name < final_dir.name]
     for old in complete_checkpoints(final_dir.parent.parent)[:-keep] + stale:
         shutil.rmtree(old)
 
 
 class AsyncCheckpoints:
-    """--async-checkpoints: DCP saves (dcp.async_save) beside training, one at a time. A thread copies the
-    shards to CPU memory while the next step computes (its optimizer step waits for the copy), a thread
-    writes them, and once every rank's write has ended (DCP gathers the results) rank 0 publishes the save,
-    in a thread too. Until then it is a *.tmp folder, which resume ignores: a kill mid-write leaves the
-    checkpoint before it the last. A save's error (a full disk) reaches training at the next step or wait()."""
+    """--async-checkpoints: DCP saves beside training, one at a time: copied to CPU memory while the
+    next step computes, written, and published by rank 0 once every rank has written (a *.tmp folder
+    until then, which resume ignores). A save's error (a full disk) reaches training at the next
+    step or wait()."""
 
-    def __init__(self, timeout_minutes: float, device: torch.device, optimizer: torch.optim.Optimizer):
-        # The write's collectives run beside training's: a group of their own, on the CPU (gloo), as the copy is.
+    def __init__(self, timeout_minutes: float, device: torch.device, optimizer: Optimizer):
+        # The write's collectives run beside training's: in a group of their own, on the CPU (gloo).
         self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
-        # One stager for the run: the CPU copy of the shards (12.3 GiB per GPU at 70B) is allocated once and
-        # refilled by every save. On GPUs: pinned memory and non-blocking copies on a stream of its own, the
-        # fast path (DCP refuses them on the CPU). No shared memory: that is for a process-based writer.
+        # One stager: its CPU copy (12.3 GiB per GPU at 70B) is allocated once. Pinned, non-blocking
+        # copies on GPUs only (DCP refuses them on CPU); shared memory is for process-based writers.
         self.cuda = cuda = device.type == "cuda"
-        options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_non_blocking_copy=cuda)
+        options = StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_non_blocking_copy=cuda
+        )
         self.stager = DefaultStager(options)  # use_async_staging: by default
-        # A step changes the weights and moments: it first waits until the last save has copied them, and
-        # raises the error of a save that has failed since (a full disk): the job stops at the next step.
+        # A step changes what the last save copies: it waits for the copy, and raises a failed save.
         optimizer.register_step_pre_hook(self._before_step)
-        # Rank 0 publishes (fsync, rename, remove old ones: hundreds of GB at 70B) in a thread: on the training
-        # thread, every other rank would wait for it at its next collective.
+        # Rank 0 publishes (hundreds of GB to fsync at 70B) in a thread, not holding every rank.
         self.publisher = ThreadPoolExecutor(max_workers=1)
         self.pending = None
 
@@ -88,33 +84,34 @@ class AsyncCheckpoints:
         self.wait_for_staging()
 
     def start(self, shards: dict, tmp_dir: Path, final_dir: Path, step: int, keep: int) -> None:
-        """Returns once the copy of the shards to CPU memory has started; wait_for_staging() waits for it."""
-        self.wait()  # for the save before, if still in flight: its write reads the copy this one refills
-        if self.cuda:  # the stager's stream does not wait for the compute stream: the step may still be running
+        """Returns once the shards' copy to CPU memory has started."""
+        self.wait()  # for the save before, if in flight: its write reads the copy this one refills
+        if self.cuda:  # the stager's stream does not wait for the compute stream's step
             torch.cuda.current_stream().synchronize()
-        saved = dcp.async_save(shards, checkpoint_id=tmp_dir, process_group=self.group, async_stager=self.stager)
+        saved = dcp.async_save(
+            shards, checkpoint_id=tmp_dir, process_group=self.group, async_stager=self.stager
+        )
         start = time.perf_counter()
 
         def publish():
             saved.upload_completion.result()  # raises on every rank if any rank's write failed
             if dist.get_rank() == 0:
                 publish_checkpoint(tmp_dir, final_dir, keep)
-                logger.info(f"Saved {final_dir}, written in {time.perf_counter() - start:.1f} s beside training")
+                seconds = time.perf_counter() - start
+                logger.info(f"Saved {final_dir}, written in {seconds:.1f} s beside training")
 
         self.pending = (saved.staging_completion, self.publisher.submit(publish), tmp_dir, step)
 
     def wait_for_staging(self) -> None:
-        """Waits until the save in flight has copied the shards: before anything changes them."""
         if self.pending is not None:
             self.pending[0].result()
 
     def poll(self) -> None:
-        """Raises the error of a save that failed (a full disk) on the training thread; never waits."""
+        """Raises a failed save's error on the training thread; never waits."""
         if self.pending is not None and self.pending[1].done():
             self.wait()
 
     def wait(self) -> None:
-        """Waits for the save in flight, if any, to be written and published."""
         if self.pending is None:
             return
         _, published, tmp_dir, step = self.pending
@@ -123,7 +120,6 @@ class AsyncCheckpoints:
             published.result()
 
     def close(self) -> None:
-        """Waits for the last save, then frees the CPU copy and the threads."""
         self.wait()
         self.stager.close()
         self.publisher.shutdown()
@@ -131,11 +127,11 @@ class AsyncCheckpoints:
 
 @contextmanager
 def saving(tmp_dir: Path, step: int):
-    """Turns a full disk during a save into one line. The unfinished save is removed; the ones before are intact."""
+    """A full disk during a save as one line: the unfinished save removed, earlier ones intact."""
     try:
         yield
-    # torch.save reports a full disk as a RuntimeError ("iostream error"), DCP as a CheckpointException
-    # (no Exception subclass: it must be named to be caught). The disk itself says whether it is full.
+    # A full disk is a RuntimeError ("iostream error") from torch.save, a CheckpointException from
+    # DCP (no Exception subclass: it must be named). The disk itself says whether it is full.
     except (OSError, RuntimeError, CheckpointException) as err:
         usage = shutil.disk_usage(tmp_dir.parent)
         if getattr(err, "errno", None) != errno.ENOSPC and usage.free > usage.total // 1000:
@@ -146,33 +142,35 @@ def saving(tmp_dir: Path, step: int):
         if previous is not None:
             intact = f"the checkpoint of step {int(previous.name.removeprefix('step-'))} is intact"
         raise SystemExit(
-            f"error: no space left on the device of {tmp_dir.parent} while saving step {step}; {intact}: "
-            "free some space (or lower --keep-checkpoints), then rerun to resume"
+            f"error: no space left on the device of {tmp_dir.parent} while saving step {step}; "
+            f"{intact}: free some space (or lower --keep-checkpoints), then rerun to resume"
         ) from None
 
 
 @contextmanager
 def loading(checkpoint: Path):
-    """Turns a checkpoint that cannot be loaded (another model's shape, or damaged) into one line."""
+    """A checkpoint that cannot be loaded (another model's shape, or damaged) as one line."""
     try:
         yield
     except (Exception, CheckpointException) as err:
         text = str(err)
-        mismatch = next((line.strip() for line in text.splitlines() if "size mismatch" in line.lower()), None)
+        lines = text.splitlines()
+        mismatch = next((line.strip() for line in lines if "size mismatch" in line.lower()), None)
         if mismatch:
             raise SystemExit(
-                f"error: {checkpoint} holds a model of another shape than --model-name ({mismatch}); pass the "
-                "--model-name it was trained with, or a new --experiment-name"
+                f"error: {checkpoint} holds a model of another shape than --model-name "
+                f"({mismatch}); pass the --model-name it was trained with, "
+                "or a new --experiment-name"
             ) from None
         first = text.strip().splitlines()[0] if text.strip() else ""
         raise SystemExit(
-            f"error: checkpoint {checkpoint} cannot be loaded ({type(err).__name__}: {first}); remove it to "
-            "resume from the one before, or pass a new --experiment-name"
+            f"error: checkpoint {checkpoint} cannot be loaded ({type(err).__name__}: {first}); "
+            "remove it to resume from the one before, or pass a new --experiment-name"
         ) from None
 
 
 def rng_state(device: torch.device) -> dict:
-    """The random number generators' states: anything that draws random numbers (dropout) resumes exactly."""
+    """The RNGs' states: whatever draws random numbers (dropout) resumes exactly."""
     rng = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
@@ -186,7 +184,7 @@ def set_rng_state(rng: dict, device: torch.device) -> None:
 
 
 def check_save_dir(save_dir: str) -> None:
-    """Before anything is loaded: --save-dir must be (or become) a folder this process can write to."""
+    """Before anything is loaded: --save-dir must be (or become) a folder this process can write."""
     path = Path(save_dir).absolute()
     existing = next(p for p in [path, *path.parents] if p.exists())
     if not existing.is_dir():
@@ -202,18 +200,20 @@ def check_shared_save_dir(checkpoint: Path | None) -> None:
     dist.broadcast_object_list(rank0_checkpoint, src=0)
     if checkpoint != rank0_checkpoint[0]:
         raise SystemExit(
-            f"error: rank {dist.get_rank()} on {socket.gethostname()} finds checkpoint {checkpoint}, rank 0 "
-            f"finds {rank0_checkpoint[0]}: --save-dir must be one folder shared by all nodes"
+            f"error: rank {dist.get_rank()} on {socket.gethostname()} finds checkpoint "
+            f"{checkpoint}, rank 0 finds {rank0_checkpoint[0]}: --save-dir must be one folder "
+            "shared by all nodes"
         )
 
 
 def check_resume(checkpoint: Path, state: dict, layout: dict) -> None:
-    """The data position and the LR schedule count global batches of rows of a given length: a run may resume on
-    other numbers of ranks or micro-batches only if each step trains the same rows."""
-    changed = [f"{key} {state[key]} -> {value}" for key, value in layout.items() if state[key] != value]
+    """The data position and the LR schedule count global batches of rows of one length: a run may
+    resume on other numbers of ranks or micro-batches only if each step trains the same rows."""
+    changed = [f"{key} {state[key]} -> {new}" for key, new in layout.items() if state[key] != new]
     if changed:
         raise SystemExit(
-            f"error: {checkpoint} was trained with global_batch_rows {state['global_batch_rows']} and seq_length "
-            f"{state['seq_length']}; this run has {', '.join(changed)}. Keep --seq-length, and --batch-size x "
-            "--grad-accum-steps x ranks equal to the global batch, or pass a new --experiment-name"
+            f"error: {checkpoint} was trained with global_batch_rows {state['global_batch_rows']} "
+            f"and seq_length {state['seq_length']}; this run has {', '.join(changed)}. Keep "
+            "--seq-length, and --batch-size x --grad-accum-steps x ranks equal to the global "
+            "batch, or pass a new --experiment-name"
         )

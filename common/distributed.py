@@ -1,6 +1,6 @@
 """What a job of many processes needs beyond torch.distributed: one rank first (downloads, data),
-its errors in torchrun's failure summary, a stop signal that every rank acts on at the same step, and
-an end that no thread of gloo's can turn into a crash."""
+its errors in torchrun's failure summary, a stop signal every rank acts on at the same step, and an
+end that no gloo thread can turn into a crash."""
 
 import atexit
 import functools
@@ -23,19 +23,16 @@ from common import logs
 
 logger = logging.getLogger(__name__)
 
-
 _phases = itertools.count()  # every rank enters the same rank0_first phases in the same order
 
 
 @contextmanager
 def rank0_first(local: bool = False):
-    """Rank 0 runs the block first (downloads, tokenizes, fills the caches), then the other ranks run it
-    and find everything cached. `local=True`: local rank 0 of every node, for caches on each node's disk.
-
-    The others wait as long as it takes (a large corpus takes hours; a collective would time out): they poll
-    torchrun's key-value store, saying every 10 minutes what they wait for. If the first rank dies, torchrun
-    stops them; if it stops with an error (a bad --dataset-name), they stop with the same message.
-    """
+    """Rank 0 (`local`: each node's local rank 0, for caches on its own disk) runs the block first
+    (downloads, tokenizing), filling the caches that the others then find. They poll torchrun's
+    store (a large corpus takes hours: a collective would time out), saying every 10 min what they
+    wait for. If it dies, torchrun stops them; if it exits with an error (a bad --dataset-name),
+    they exit with the same."""
     store = dist.distributed_c10d._get_default_store()
     rank, local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
     first = rank - local_rank if local else 0  # the rank that goes first for this one
@@ -52,7 +49,10 @@ def rank0_first(local: bool = False):
     while not store.check([key]):
         time.sleep(0.1)
         if time.monotonic() - start > report:
-            logger.warning(f"Waiting {report // 60} min so far for rank {first} (downloading, preparing the data)")
+            logger.warning(
+                f"Waiting {report // 60} min so far for rank {first} "
+                "(downloading, preparing the data)"
+            )
             report += 600
     status = store.get(key).decode()
     if status.startswith("error:"):
@@ -64,8 +64,8 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote pr
 
 
 def record(main):
-    """torchrun's `@record` (a failing rank's exception to the error file that torchrun's failure summary,
-    the job's last lines, prints), which also records the chapters' one-line `SystemExit` errors."""
+    """torchrun's `@record` (a failing rank's exception to the error file that torchrun's failure
+    summary prints), which also records the chapters' one-line `SystemExit` errors."""
 
     @functools.wraps(main)
     def main_recording_exits(*args, **kwargs):
@@ -76,12 +76,11 @@ def record(main):
                 get_error_handler().record_exception(exit)
             raise
         except Exception as error:
-            # When a rank dies, the others' collectives fail within the same second ("Connection closed
-            # by peer", NCCL's "remote process exited"). torchrun names as the root cause the failure
-            # with the earliest timestamp, in whole seconds, and a tie goes to the lowest rank: the
-            # summary would show rank 0's echo, not the dead rank's error. Such a rank reports later.
+            # When a rank dies, the others' collectives fail within the same second, and torchrun's
+            # summary names the earliest failure (in whole seconds, a tie to the lowest rank): rank
+            # 0's echo, not the dead rank's error. So an echoing rank reports later.
             if isinstance(error, dist.DistError) or any(echo in str(error) for echo in PEER_GONE):
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun stopping us first is the aim
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun stopping us is the aim
                 time.sleep(3)  # > 1 s, and > torchrun's --monitor-interval (0.1 s)
             raise
 
@@ -89,8 +88,8 @@ def record(main):
 
 
 class StopSignal:
-    """SIGTERM (Slurm before a time limit, schedulers before a preemption, torchrun when it stops) or Ctrl-C:
-    the run finishes its step, saves a checkpoint and exits; rerunning resumes. A second Ctrl-C stops at once."""
+    """SIGTERM (Slurm before a time limit or preemption, torchrun stopping) or Ctrl-C: finish the
+    step, save a checkpoint, exit; rerunning resumes. A second Ctrl-C stops at once."""
 
     def __init__(self):
         self.name = None
@@ -106,10 +105,10 @@ class StopSignal:
         logger.warning(f"{self.name}: stopping after this step, with a checkpoint")
 
     def agreed(self, device: torch.device) -> str | None:
-        """The signal's name once any rank has got one, on every rank at the same step: a rank stopping alone
-        would leave the others waiting in a collective. Every step all-reduces "has any rank got one?"; on a
-        GPU the answer is read one step later, long computed: no host-device sync every step."""
-        # Filled on the device: torch.tensor(value, device=...) would copy from the host, and wait for it.
+        """The signal's name once any rank has one, on every rank at the same step (a rank stopping
+        alone would leave the others in a collective). Every step all-reduces "has any rank got
+        one?"; a GPU's answer is read a step later, long computed: no host-device sync per step."""
+        # Filled on the device: torch.tensor(value, device=...) would copy from the host, and wait.
         flag = torch.full((), float(self.name is not None), device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if device.type == "cuda":
@@ -121,34 +120,30 @@ class StopSignal:
                 return None
             flag, done = self._pending.pop(0)
             done.synchronize()
-        # The reduced flag alone decides: a signal that lands after this rank's flag was sent (self.name set
-        # since) is every rank's at the next step. Stopping on it now would stop this rank alone.
+        # The reduced flag alone decides: a signal that lands after this rank's flag was sent is
+        # every rank's at the next step; stopping on it now would stop this rank alone.
         return (self.name or "a signal to another rank") if flag.item() else None
 
 
 def no_forward_buffer_sync() -> dict:
-    """DistributedDataParallel's keyword for no broadcast of rank 0's buffers at every forward: torch 2.13
-    names it forward_sync_buffers=False and warns that broadcast_buffers=False, the name of 2.11 and 2.12
-    (which lack the new one), is deprecated."""
+    """DDP's keyword for no broadcast of rank 0's buffers at every forward: forward_sync_buffers in
+    torch 2.13, which deprecates broadcast_buffers, the only name in 2.11 and 2.12."""
     new_name = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     return {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
 
 
 def destroy_process_group_and_exit() -> None:
-    """The end of a run on this rank, done or stopped: destroy_process_group, the functions registered
-    to run at exit, then the process exits 0 here, everything written, without the interpreter's shutdown.
-
-    Why not return: gloo's worker threads (CPU runs, and --cpu-offload's CPU collectives) live as long as
-    their process group, and torch keeps groups alive past destroy_process_group (each DeviceMesh stays in
-    DTensor's caches). A worker lets go of a collective's tensors just after the collective completes,
-    and letting go of a tensor that Python also knows takes the GIL. A worker that gets there once the
-    interpreter has begun to shut down (a descheduled thread on a loaded machine) is ended by Python
-    before 3.14 from inside a C++ destructor: "terminate called without an active exception", SIGABRT,
-    and torchrun reports as failed a job that trained, saved and exported (DIAGNOSING.md).
-    A failed rank still exits through Python's shutdown, which waits for an asynchronous save in flight
-    (common.checkpoints); its error is in torchrun's summary before any such abort (`record`)."""
+    """The end of a run on this rank, done or stopped: destroy_process_group, the atexit functions,
+    then exit 0, everything written, without the interpreter's shutdown. Why: gloo's worker threads
+    (CPU runs, --cpu-offload) outlive destroy_process_group (DTensor's caches keep each DeviceMesh's
+    groups). A worker that lets go of a collective's tensors takes the GIL; if the interpreter is
+    shutting down by then (a descheduled thread on a loaded machine), Python before 3.14 ends it
+    inside a C++ destructor: "terminate called without an active exception", SIGABRT, and torchrun
+    reports a job that trained, saved and exported as failed (DIAGNOSING.md). A failed rank still
+    exits through Python's shutdown, which waits for an async save in flight; its error is in
+    torchrun's summary before any such abort (`record`)."""
     dist.destroy_process_group()
-    atexit._run_exitfuncs()  # what Python runs at exit before its shutdown: wandb's, logging's flush
+    atexit._run_exitfuncs()  # what Python runs at exit before shutting down: wandb's, logging's
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -1,4 +1,4 @@
-"""Where the chapters' measurements go: log lines (above the progress bar), metrics.jsonl and wandb."""
+"""Where the chapters' measurements go: log lines (above the progress bar), metrics.jsonl, wandb."""
 
 import json
 import logging
@@ -21,26 +21,24 @@ class _TqdmHandler(logging.StreamHandler):
 
 def setup_logging(prefix: str = "", level: int = logging.INFO) -> None:
     handler = _TqdmHandler()
-    handler.setFormatter(logging.Formatter(f"{prefix}[%(asctime)s] %(levelname)s:%(name)s: %(message)s"))
+    line = f"{prefix}[%(asctime)s] %(levelname)s:%(name)s: %(message)s"
+    handler.setFormatter(logging.Formatter(line))
     logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
-_wandb_calls = True  # until a stop signal: see log_metrics
+_wandb_calls = True  # until a stop signal reaches this process (common.distributed.StopSignal)
 
 
 def stop_wandb_calls() -> None:
-    """Called by common.distributed.StopSignal when a stop signal reaches this process."""
     global _wandb_calls
     _wandb_calls = False
 
 
 def log_metrics(metrics: dict, jsonl: Path | None) -> None:
     """One record (with its "step") to the file `jsonl` (None: not from this rank) and to wandb.
-
-    Slurm's stop signal reaches wandb's service process too: if it has stopped, the metrics still reach the
-    file and training goes on to its checkpoint. After a stop signal wandb is not called at all: a service
-    shutting down may leave the call waiting past the scheduler's grace period, the checkpoint unsaved.
-    """
+    Slurm's stop signal reaches wandb's service too: if it has stopped, training goes on to its
+    checkpoint; after a stop signal, wandb is not called at all (a service shutting down may hold
+    the call past the grace period, the checkpoint unsaved)."""
     if jsonl is not None:
         with open(jsonl, "a") as f:
             f.write(json.dumps(metrics) + "\n")
@@ -49,16 +47,21 @@ def log_metrics(metrics: dict, jsonl: Path | None) -> None:
     try:
         wandb.log(metrics, step=metrics["step"])
     except (ConnectionError, BrokenPipeError):
-        logger.warning("wandb's service has stopped (a stop signal?): these metrics are in metrics.jsonl only")
+        logger.warning(
+            "wandb's service has stopped (a stop signal?): these metrics are in metrics.jsonl only"
+        )
 
 
 def wandb_mode() -> str | None:
-    """`WANDB_MODE` when set; else online if a W&B login exists and its server answers, else offline, saying
-    why in one line (never a key prompt, never a stall on a node without network)."""
+    """`WANDB_MODE` when set; else online if a W&B login exists and its server answers, else
+    offline, saying why in one line: never a key prompt, nor a stall on a node without network."""
     if os.environ.get("WANDB_MODE"):
         return None  # wandb reads it itself
     if not wandb.login(prompt=False, verify=False):
-        logger.info("No W&B login found: logging offline. Upload later with `wandb sync`, or `wandb login` first.")
+        logger.info(
+            "No W&B login found: logging offline. Upload later with `wandb sync`, or `wandb login` "
+            "first."
+        )
         return "offline"
     try:
         wandb.Api(timeout=10).viewer  # one request: does the server answer?

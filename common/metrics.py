@@ -9,10 +9,12 @@ import psutil
 import torch
 from torch.distributed.tensor import DTensor
 
+_GIB = 2**30
+
 
 class NonFiniteGuard:
-    """Notes on the device the first step whose loss or gradient norm is NaN or Inf, with no sync of its own:
-    `check()` reads it where the host waits anyway (log lines; before a save: no broken model is saved)."""
+    """Notes on the device, with no sync, the first step whose loss or gradient norm is NaN or Inf:
+    `check()` reads it where the host waits anyway (log lines; before a save: none saved broken)."""
 
     def __init__(self, device: torch.device):
         self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)
@@ -21,49 +23,54 @@ class NonFiniteGuard:
         if isinstance(grad_norm, DTensor):  # FSDP's norm: the same full value on every rank
             grad_norm = grad_norm.full_tensor()
         # With --cpu-offload the gradients, and so their norm, are on the CPU: a copy, not a sync.
-        finite = torch.isfinite(loss.detach()) & torch.isfinite(grad_norm).to(loss.device, non_blocking=True)
-        self.first_bad_step = torch.where(~finite & (self.first_bad_step == 0), step, self.first_bad_step)
+        norm_finite = torch.isfinite(grad_norm).to(loss.device, non_blocking=True)
+        finite = torch.isfinite(loss.detach()) & norm_finite
+        first_bad = ~finite & (self.first_bad_step == 0)
+        self.first_bad_step = torch.where(first_bad, step, self.first_bad_step)
 
     def check(self) -> None:
         step = int(self.first_bad_step)
         if step:
             raise SystemExit(
-                f"error: the loss or gradient norm became NaN or Inf at step {step}; no checkpoint was "
-                "saved after it. Lower --lr, or raise --warmup-steps, and rerun: it resumes from the last checkpoint"
+                f"error: the loss or gradient norm became NaN or Inf at step {step}; no checkpoint "
+                "was saved after it. Lower --lr, or raise --warmup-steps, and rerun: it resumes "
+                "from the last checkpoint"
             )
 
 
 def memory_stats(device: torch.device) -> dict:
-    """GPU memory of this process's tensors on CUDA; the process's resident memory (RSS) on CPU."""
-    gib = 2**30
     if device.type == "cuda":
         return {
-            "memory/allocated_gib": torch.cuda.memory_allocated(device) / gib,
-            "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
-            "memory/reserved_gib": torch.cuda.memory_reserved(device) / gib,
+            "memory/allocated_gib": torch.cuda.memory_allocated(device) / _GIB,
+            "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / _GIB,
+            "memory/reserved_gib": torch.cuda.memory_reserved(device) / _GIB,
         }
-    # ru_maxrss is in KiB on Linux and in bytes on macOS.
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return {"memory/rss_gib": psutil.Process().memory_info().rss / gib, "memory/peak_rss_gib": peak_rss / gib}
+    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+    rss = psutil.Process().memory_info().rss
+    return {"memory/rss_gib": rss / _GIB, "memory/peak_rss_gib": peak_rss / _GIB}
 
 
 def shard_memory(model, optimizer) -> dict:
-    """This rank's share of the weights (and so of the gradients) and of AdamW's moments: DTensors, sharded."""
-    gib = 2**30
+    """This rank's share of the weights (so of the gradients) and of AdamW's moments: DTensors."""
     params = sum(p.to_local().nbytes for p in model.parameters())
-    moments = sum(v.to_local().nbytes for s in optimizer.state.values() for v in s.values() if isinstance(v, DTensor))
-    return {"memory/params_gib": params / gib, "memory/optimizer_gib": moments / gib}
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, DTensor)]
+    moments = sum(v.to_local().nbytes for v in states)
+    return {"memory/params_gib": params / _GIB, "memory/optimizer_gib": moments / _GIB}
 
 
 def flops_per_token(model, config, seq_length: int) -> float:
-    """Training FLOPs per token: 6 per matmul weight (2 forward, 4 backward) plus attention (PaLM, app. B).
-    The weights are those of every linear layer (torch's, torchao's, Transformer Engine's), at full shape;
-    the input embedding is a lookup, free, while a tied output head still costs a full matmul."""
-    linears = [m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")]
+    """Training FLOPs per token: 6 per matmul weight (2 forward, 4 backward) plus attention (PaLM,
+    app. B). The weights are those of every linear layer (torch's, torchao's, Transformer Engine's)
+    at full shape; the input embedding is a lookup, free, while a tied output head is a matmul."""
+    linears = [
+        m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")
+    ]
     matmul_weights = sum(m.in_features * m.out_features for m in linears)
-    # A mixture of experts' stacked experts (3-D weights, one slice per expert): each token goes through
-    # num_experts_per_tok of them. (The routers' small matmul, hidden x experts, is left out.)
-    stacked = [p for m in model.modules() if hasattr(m, "num_experts") for p in m.parameters(recurse=False)]
+    # A mixture of experts' stacked experts (3-D weights, one slice per expert): each token goes
+    # through num_experts_per_tok of them. (The routers' small matmul is left out.)
+    experts = [m for m in model.modules() if hasattr(m, "num_experts")]
+    stacked = [p for m in experts for p in m.parameters(recurse=False)]
     top_k = getattr(config, "num_experts_per_tok", 0)
     matmul_weights += sum(top_k * p.numel() // p.shape[0] for p in stacked if p.ndim == 3)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -98,7 +105,7 @@ def peak_bf16_flops(device: torch.device) -> float | None:
 
 
 def lookup_peak_flops(name: str) -> float | None:
-    """The longest entry in `name` as whole words: "H100 PCIe" over "H100"; "L4" never matches "L40S"."""
+    """The longest key in `name` as whole words: "H100 PCIe" over "H100"; "L4" not in "L40S"."""
     for key in sorted(_PEAK_BF16_FLOPS, key=len, reverse=True):
         if re.search(rf"(?<![\w]){re.escape(key)}(?![\w])", name):
             return _PEAK_BF16_FLOPS[key]

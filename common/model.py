@@ -1,5 +1,5 @@
-"""Loading a model's config and tokenizer with one clear error per way it can go wrong, AdamW's groups,
-and what activation checkpointing keeps."""
+"""Loading a model's config and tokenizer with one clear error per way it can go wrong, AdamW's
+groups, and what activation checkpointing keeps."""
 
 import os
 from pathlib import Path
@@ -7,29 +7,29 @@ from pathlib import Path
 import torch
 import transformers
 from packaging.version import Version
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from transformers import AutoConfig, AutoTokenizer
-from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from common.data import first_line, looks_like_path
 
-# The embedded default: a tiny Llama config with its tokenizer (see tools/make_tiny_default.py),
-# loaded through the same calls as a Hub name.
+# The embedded defaults (tools/make_tiny_default.py), loaded through the same calls as a Hub name:
+# a tiny Llama config with its tokenizer, and chapter 09's mixture of experts.
 DEFAULT_MODEL = str(Path(__file__).parent / "tiny_llama")
-DEFAULT_MOE_MODEL = str(Path(__file__).parent / "tiny_moe")  # chapter 09's: a mixture of experts
-# pyproject.toml's floor, the oldest transformers the chapters are tested with (the README says how).
+DEFAULT_MOE_MODEL = str(Path(__file__).parent / "tiny_moe")
+# pyproject.toml's floor, the oldest transformers the chapters are tested with (see the README).
 MIN_TRANSFORMERS = "5.0"
 
 
 def load_config_and_tokenizer(model_name: str, seq_length: int):
-    """`AutoConfig` and `AutoTokenizer` for a Hub name or a local folder, checked for what training needs."""
+    """`AutoConfig` and `AutoTokenizer`, checked for what training needs."""
     if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
         raise SystemExit(
-            f"error: transformers {transformers.__version__} is installed; the chapters need {MIN_TRANSFORMERS} or "
-            f"newer: pip install -U 'transformers>={MIN_TRANSFORMERS}' (or pip install -e . from the repository)"
+            f"error: transformers {transformers.__version__} is installed; the chapters need "
+            f"{MIN_TRANSFORMERS} or newer: pip install -U 'transformers>={MIN_TRANSFORMERS}' "
+            "(or pip install -e . from the repository)"
         )
     flag = f"--model-name {model_name!r}"
     if looks_like_path(model_name) and not os.path.isdir(os.path.expanduser(model_name)):
@@ -38,24 +38,31 @@ def load_config_and_tokenizer(model_name: str, seq_length: int):
         config = AutoConfig.from_pretrained(model_name)
     except (OSError, ValueError, KeyError) as err:
         if os.path.isdir(model_name):  # no config.json, or one without model_type
-            raise SystemExit(f"error: {flag}: no usable config.json in the folder ({first_line(err)})") from None
+            raise SystemExit(
+                f"error: {flag}: no usable config.json in the folder ({first_line(err)})"
+            ) from None
         raise SystemExit(
-            f"error: {flag} is neither a local folder (none in {os.getcwd()}) nor a Hub model that can be "
-            f"reached ({first_line(err)})"
+            f"error: {flag} is neither a local folder (none in {os.getcwd()}) nor a Hub model "
+            f"that can be reached ({first_line(err)})"
         ) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_name)
     except (OSError, ValueError, TypeError) as err:
-        raise SystemExit(f"error: {flag} has a config but no tokenizer that loads ({first_line(err)})") from None
+        raise SystemExit(
+            f"error: {flag} has a config but no tokenizer that loads ({first_line(err)})"
+        ) from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
         config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not config.is_decoder
     ):
         raise SystemExit(
-            f"error: {flag} is a {config.model_type} model, not a causal (decoder-only) language model: "
-            "pass one such as Llama, Qwen or GPT-2"
+            f"error: {flag} is a {config.model_type} model, not a causal (decoder-only) language "
+            "model: pass one such as Llama, Qwen or GPT-2"
         )
     if getattr(config, "max_position_embeddings", None) is None:
-        raise SystemExit(f"error: {flag}: its config has no max_position_embeddings to check --seq-length against")
+        raise SystemExit(
+            f"error: {flag}: its config has no max_position_embeddings to check --seq-length "
+            "against"
+        )
     if seq_length > config.max_position_embeddings:
         raise SystemExit(
             f"error: --seq-length {seq_length} is longer than the model's max_position_embeddings "
@@ -80,8 +87,8 @@ def check_compilable(config, use_compile: bool) -> None:
 
 
 def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on weight matrices (linear layers, embeddings), none on norms and biases, as nanoGPT and
-    Megatron-LM do. A DTensor has its full shape's `ndim`: FSDP gets the same groups."""
+    """Weight decay on weight matrices (linear layers, embeddings), none on norms and biases, as
+    nanoGPT and Megatron-LM do. A DTensor has its full shape's `ndim`: FSDP gets the same groups."""
     params = [p for p in model.parameters() if p.requires_grad]
     return [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
@@ -90,22 +97,20 @@ def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks, by the class names HF lists in `_no_split_modules`: no family's path hard-coded."""
+    """The repeated blocks, by the class names in HF's `_no_split_modules`: no path hard-coded."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [module for module in model.modules() if type(module).__name__ in names]
     if not blocks:
         raise SystemExit(
-            f"error: --model-name {model.config.name_or_path!r}: no transformer blocks found to shard "
-            f"(the model's _no_split_modules names none)"
+            f"error: --model-name {model.config.name_or_path!r}: no transformer blocks found to "
+            "shard (the model's _no_split_modules names none)"
         )
     return blocks
 
 
-# What selective activation checkpointing keeps of a block (torchtitan's save list, in its
-# distributed/activation_checkpoint.py): the outputs of the ops costliest to recompute: attention, TP's
-# reduce-scatters, every other matmul (q, v, gate, down of a Llama block), and the amaxes that scale FP8's
-# casts (max, rowwise amax: one number that reads the whole tensor again). torchao's FP8 layers reach the
-# policy as aten.mm, so they alternate alike. The rest (norms, activations, rotary, casts) is cheap.
+# What selective checkpointing keeps (torchtitan's list): the outputs costliest to recompute, of
+# attention, TP's reduce-scatters, every other matmul (q, v, gate, down of a Llama block; torchao's
+# FP8 layers are aten.mm too) and the amaxes scaling FP8's casts (each reads a whole tensor).
 _KEEP = {
     torch.ops.aten.mm.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
@@ -135,29 +140,32 @@ def _selective_context():
 
 
 def checkpoint_blocks(blocks: list[torch.nn.Module], mode: str) -> None:
-    """Activation checkpointing ("full" or "selective") put by the chapter itself, whatever transformers does:
-    each block's forward runs under torch's non-reentrant checkpoint, inside what compile traces and FSDP wraps,
-    so each compiled block holds its own checkpoint region (torchtitan wraps its blocks the same way). HF's
-    gradient_checkpointing_enable wraps the whole call instead in transformers < 5.23: FSDP's hooks and the
-    compiled block then ran inside the checkpoint, and compile never saw the recompute. "selective" gives every
-    call a fresh per-op policy."""
+    """Activation checkpointing ("full", or "selective": a fresh per-op policy per call): each
+    block's forward runs under torch's non-reentrant checkpoint, inside what compile traces and FSDP
+    wraps, so each compiled block holds its own region (as in torchtitan). Before transformers 5.23
+    HF's gradient_checkpointing_enable wraps the whole call: FSDP's hooks and the compiled block ran
+    inside it, and compile never saw the recompute."""
     for block in blocks:
         block.forward = _checkpointed(block, block.forward, mode == "selective")
 
 
-# HF's names for a block's KV cache: a checkpointed forward has none, or its recompute would write it again.
+# HF's KV-cache arguments: a checkpointed forward takes none (its recompute would write it again).
 _CACHES = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def _checkpointed(block, forward, selective: bool):
-    # A function, not a functools.partial of checkpoint: dynamo traces it into the block's graph (it skips the
-    # whole frame of a partial), and takes the policy's context_fn as a function of this module.
+    # A function, not a functools.partial of checkpoint: dynamo traces it into the block's graph (it
+    # skips the whole frame of a partial), and takes context_fn as a function of this module.
     def checkpointed_forward(*args, **kwargs):
-        if not (block.training and torch.is_grad_enabled()):  # no backward to recompute for: evaluation
+        if not (block.training and torch.is_grad_enabled()):  # evaluation: nothing to recompute
             return forward(*args, **kwargs)
-        kwargs = {k: None if k in _CACHES else False if k == "use_cache" else v for k, v in kwargs.items()}
+        kwargs = {
+            k: None if k in _CACHES else False if k == "use_cache" else v for k, v in kwargs.items()
+        }
         if selective:
-            return checkpoint(forward, *args, use_reentrant=False, context_fn=_selective_context, **kwargs)
+            return checkpoint(
+                forward, *args, use_reentrant=False, context_fn=_selective_context, **kwargs
+            )
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return checkpointed_forward

@@ -1,4 +1,4 @@
-"""How long each phase of a step takes (CUDA events on GPUs), and which rank holds the others back."""
+"""How long each phase of a step takes (CUDA events on GPUs), and which rank holds back the rest."""
 
 import logging
 import socket
@@ -13,27 +13,25 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 SEE = 'DIAGNOSING.md, "The job is slower than it should be"'
-# Below 0.8 x the median pace (as tools.preflight's --threshold) for 5 log steps in a row: one slow interval
-# (a compile, a neighbour's burst on a shared CPU) is not a straggler.
+# Below 0.8 x the median pace (as tools.preflight's --threshold) for 5 log steps in a row: one slow
+# interval (a compile, a neighbour's burst on a shared CPU) is not a straggler.
 STRAGGLER_THRESHOLD, STRAGGLER_LOG_STEPS = 0.8, 5
 
 
 class PhaseTimers:
-    """Time per phase of the training step (data, forward, ...), averaged between two `summary()` calls.
-
-    The GPU runs behind the CPU: wall-clock time would measure the CPU queueing kernels. So on CUDA each
-    phase is bracketed by CUDA events, read with one sync in `summary()`, at log time.
-    `compare_ranks`: `summary()` also names the straggler (a collective: every rank calls it at the same steps).
-    `blocks`: their forward is also timed alone ("compute"), between FSDP's hooks, without its all-gathers' waits.
-    """
+    """Time per phase of the step, averaged between `summary()` calls. The GPU runs behind the CPU
+    (the wall clock would time the queueing): on CUDA, events bracket each phase, read with one sync
+    in `summary()`. `compare_ranks`: it also names the straggler (a collective: every rank calls it
+    at the same steps). `blocks`: their forward is timed alone too ("compute"), between FSDP's
+    hooks, without its all-gathers' waits."""
 
     def __init__(self, device: torch.device, compare_ranks: bool = False, blocks=()):
         self.use_cuda_events = device.type == "cuda"
-        self._spans = defaultdict(list)  # (start, end) per phase: CUDA events, or perf_counter()'s seconds
+        self._spans = defaultdict(list)  # (start, end) per phase: CUDA events or perf_counter()s
         self._block_starts = []
         self._stragglers = Stragglers(device) if compare_ranks else None
         for block in blocks:
-            # After FSDP's pre-forward hook (prepended): its all-gather has arrived when this one starts.
+            # After FSDP's pre-forward hook (prepended): its all-gather has arrived by then.
             block.register_forward_pre_hook(self._block_start)
             block.register_forward_hook(self._block_end)
 
@@ -59,13 +57,18 @@ class PhaseTimers:
     def _block_end(self, module, args, output):
         self._spans["compute"].append((self._block_starts.pop(), self._now()))
 
+    def _ms(self, start, end) -> float:
+        return start.elapsed_time(end) if self.use_cuda_events else 1000 * (end - start)
+
     def summary(self, steps: int) -> dict:
-        """Milliseconds per step in each phase since the last call (a phase may run several times in a
-        step: once per micro-batch), then starts over; with `compare_ranks`, the straggler's keys too."""
+        """Milliseconds per step in each phase since the last call (a phase may run once per
+        micro-batch), then starts over; with `compare_ranks`, the straggler's keys too."""
         if self.use_cuda_events:
             torch.cuda.synchronize()
-        ms = (lambda s, e: s.elapsed_time(e)) if self.use_cuda_events else (lambda s, e: 1000 * (e - s))
-        result = {f"time/{phase}_ms": sum(ms(*span) for span in spans) / steps for phase, spans in self._spans.items()}
+        result = {
+            f"time/{phase}_ms": sum(self._ms(*span) for span in spans) / steps
+            for phase, spans in self._spans.items()
+        }
         self._spans.clear()
         if self._stragglers is not None:
             result |= self._stragglers.report(result)
@@ -73,14 +76,10 @@ class PhaseTimers:
 
 
 class Stragglers:
-    """Names the rank that holds the others back, from every rank's timings at a log step.
-
-    Every rank's step takes as long as the slowest's: the others wait in a collective, and the wait lands
-    in one of their phases. So a rank's own work is what it does alone: loading its batch ("data") and
-    computing ("compute": the blocks' forward between FSDP's collectives, else DDP's collective-free
-    forward; backward has collectives under both). The straggler's data + compute is the largest. Rank 0
-    warns when one rank works below STRAGGLER_THRESHOLD x the median pace for STRAGGLER_LOG_STEPS log steps.
-    """
+    """The rank that holds the others back, from every rank's timings at a log step. Every step
+    takes as long as the slowest rank's (the others wait in a collective), so a rank's own work is
+    what it does alone: loading its batch ("data") and "compute" (the blocks' forward between FSDP's
+    collectives, else DDP's collective-free forward; backward has collectives under both)."""
 
     PHASES = ("data", "forward", "backward", "optimizer", "compute")
 
@@ -92,10 +91,12 @@ class Stragglers:
 
     def report(self, timings: dict) -> dict:
         mine = [timings.get(f"time/{phase}_ms", 0.0) for phase in self.PHASES]
-        gathered = [torch.empty(len(mine), device=self.device) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, torch.tensor(mine, device=self.device))  # into a list: the same in every torch
+        world = dist.get_world_size()
+        gathered = [torch.empty(len(mine), device=self.device) for _ in range(world)]
+        # all_gather into a list: the same in every torch version.
+        dist.all_gather(gathered, torch.tensor(mine, device=self.device))
         data, forward, _, _, compute = zip(*torch.stack(gathered).tolist())
-        compute = compute if any(compute) else forward  # no blocks timed: the forward is local (DDP)
+        compute = compute if any(compute) else forward  # no blocks timed: DDP's forward is local
         work = [d + c for d, c in zip(data, compute)]
         slowest, median = max(range(len(work)), key=work.__getitem__), statistics.median(work)
         if work[slowest] * STRAGGLER_THRESHOLD > median:
@@ -104,19 +105,20 @@ class Stragglers:
             self.streak = 0
         self.rank = slowest
         if self.streak == STRAGGLER_LOG_STEPS and dist.get_rank() == 0:
-            slow_data = data[slowest] - statistics.median(data) > compute[slowest] - statistics.median(compute)
+            extra_data = data[slowest] - statistics.median(data)
+            slow_data = extra_data > compute[slowest] - statistics.median(compute)
             cause = (
-                "a slow data path on that host: its disk or file system, too few CPU cores for its ranks, or "
-                "another process on them"
+                "a slow data path on that host: its disk or file system, too few CPU cores for its "
+                "ranks, or another process on them"
                 if slow_data
-                else "a slow GPU: throttled (clocks, power, temperature), another process on it, or a bad "
-                "PCIe link; on CPUs, another process on its cores"
+                else "a slow GPU: throttled (clocks, power, temperature), another process on "
+                "it, or a bad PCIe link; on CPUs, another process on its cores"
             )
             logger.warning(
                 f"Straggler: rank {slowest} on {self.hosts[slowest]} holds back every rank, for "
-                f"{self.streak} log steps in a row: data + compute {work[slowest]:.1f} ms per step, "
-                f"{work[slowest] / median:.1f}x the median rank's {median:.1f} ms (data {data[slowest]:.1f}, "
-                f"compute {compute[slowest]:.1f}). Likely {cause}. See {SEE}"
+                f"{self.streak} log steps in a row: data + compute {work[slowest]:.1f} ms per "
+                f"step, {work[slowest] / median:.1f}x the median rank's {median:.1f} ms (data "
+                f"{data[slowest]:.1f}, compute {compute[slowest]:.1f}). Likely {cause}. See {SEE}"
             )
         return {
             "straggler/rank": slowest,
