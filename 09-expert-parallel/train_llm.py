@@ -137,8 +137,7 @@ def main():
     logger.info(f"{len(moe_layers)} layers of experts, each on 1 of {args.ep_size} ranks")
 
     # --- 5. Optimizer and LR schedule ---
-    params = common.adamw_param_groups(model, args.weight_decay)
-    # fused=True: one kernel, on GPU or CPU.
+    params = common.adamw_param_groups(model, args.weight_decay)  # fused: one kernel, GPU or CPU
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, args.beta2), fused=True)
     # Linear warmup from 0 over --warmup-steps, then cosine decay to 10% of --lr at the last step.
     lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
