@@ -53,11 +53,7 @@ def base_parser(doc: str, script: str) -> ArgumentParser:
     add("--save-dir", default="outputs")
     add("--model-name", default=DEFAULT_MODEL, help="Hub model name or local folder")
     add("--dataset-name", default=DEFAULT_DATASET, help="Hub dataset name, local folder or file")
-    add(
-        "--from-pretrained",
-        action="store_true",
-        help="load the model's weights, not just its config",
-    )
+    add("--from-pretrained", action="store_true", help="load the weights, not just the config")
     add("--seed", type=int, default=0)
     add("--num-epochs", type=positive_int, default=1)
     add("--max-steps", type=positive_int, help="stop after this many steps (default: all epochs)")
@@ -72,34 +68,19 @@ def base_parser(doc: str, script: str) -> ArgumentParser:
     add("--val-fraction", type=fraction, default=0.01, help="held-out rows, if no validation split")
     add("--eval-every", type=positive_int, default=200, help="steps between validation losses")
     add("--eval-batches", type=positive_int, default=20, help="validation batches per evaluation")
-    add(
-        "--device",
-        choices=["cuda", "cpu"],
-        help="default: cuda if a GPU is visible; cuda never falls back to the CPU",
-    )
+    add("--device", choices=["cuda", "cpu"], help="default: cuda if a GPU is visible (no fallback)")
     add("--dtype", choices=["bfloat16", "float32"], help="compute dtype (default: bf16 on GPU)")
     add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (default: on GPU)")
     add("--log-freq", type=positive_int, default=10)
     add("--ckpt-freq", type=positive_int, default=200)
-    add(
-        "--keep-checkpoints", type=positive_int, default=2, help="the newest K checkpoints are kept"
-    )
+    add("--keep-checkpoints", type=positive_int, default=2, help="keep the newest K checkpoints")
     add(
         "--activation-checkpointing",
         nargs="?",
         const="full",
         choices=["full", "selective"],
-        help="recompute each block in backward: all of it (full, the default), or all but its "
-        "matmuls and attention",
+        help="recompute each block in backward: all of it (full), or all but matmuls and attention",
     )
-    add(
-        "--export-hf",
-        type=export_folder,
-        help="at the end, write the model and tokenizer here for from_pretrained",
-    )
-    add(
-        "--export-dtype",
-        choices=["bfloat16", "float16", "float32"],
-        help="default: the dtype in the model's config",
-    )
+    add("--export-hf", type=export_folder, help="at the end, write a from_pretrained folder here")
+    add("--export-dtype", choices=["bfloat16", "float16", "float32"], help="default: the config's")
     return parser

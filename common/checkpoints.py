@@ -19,6 +19,8 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.optim import Optimizer
 
+from common.data import first_line
+
 logger = logging.getLogger(__name__)
 
 _CHECKPOINT_NAME = re.compile(r"step-(\d+)")
@@ -80,8 +82,10 @@ class AsyncCheckpoints:
         self.pending = None
 
     def _before_step(self, *_) -> None:
-        self.poll()
-        self.wait_for_staging()
+        if self.pending is not None and self.pending[1].done():
+            self.wait()  # raises a failed save's error on the training thread
+        elif self.pending is not None:
+            self.pending[0].result()  # the copy to CPU memory, which this step would change
 
     def start(self, shards: dict, tmp_dir: Path, final_dir: Path, step: int, keep: int) -> None:
         """Returns once the shards' copy to CPU memory has started."""
@@ -102,22 +106,12 @@ class AsyncCheckpoints:
 
         self.pending = (saved.staging_completion, self.publisher.submit(publish), tmp_dir, step)
 
-    def wait_for_staging(self) -> None:
-        if self.pending is not None:
-            self.pending[0].result()
-
-    def poll(self) -> None:
-        """Raises a failed save's error on the training thread; never waits."""
-        if self.pending is not None and self.pending[1].done():
-            self.wait()
-
     def wait(self) -> None:
-        if self.pending is None:
-            return
-        _, published, tmp_dir, step = self.pending
-        self.pending = None
-        with saving(tmp_dir, step):
-            published.result()
+        if self.pending is not None:
+            _, published, tmp_dir, step = self.pending
+            self.pending = None
+            with saving(tmp_dir, step):
+                published.result()
 
     def close(self) -> None:
         self.wait()
@@ -153,8 +147,7 @@ def loading(checkpoint: Path):
     try:
         yield
     except (Exception, CheckpointException) as err:
-        text = str(err)
-        lines = text.splitlines()
+        lines = str(err).splitlines()
         mismatch = next((line.strip() for line in lines if "size mismatch" in line.lower()), None)
         if mismatch:
             raise SystemExit(
@@ -162,9 +155,8 @@ def loading(checkpoint: Path):
                 f"({mismatch}); pass the --model-name it was trained with, "
                 "or a new --experiment-name"
             ) from None
-        first = text.strip().splitlines()[0] if text.strip() else ""
         raise SystemExit(
-            f"error: checkpoint {checkpoint} cannot be loaded ({type(err).__name__}: {first}); "
+            f"error: checkpoint {checkpoint} cannot be loaded ({first_line(err)}); "
             "remove it to resume from the one before, or pass a new --experiment-name"
         ) from None
 

@@ -11,15 +11,9 @@ import torch
 
 # The embedded default (tools/make_tiny_default.py): loaded through the same calls as a Hub name.
 DEFAULT_DATASET = str(Path(__file__).parent / "tiny_tasks")
-
-_BUILDERS = {
-    ".json": "json",
-    ".jsonl": "json",
-    ".parquet": "parquet",
-    ".csv": "csv",
-    ".txt": "text",
-    ".arrow": "arrow",
-}
+# The `datasets` builder that reads each kind of file.
+_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+_BUILDERS |= {".txt": "text", ".arrow": "arrow"}
 
 
 def load_and_pack(
@@ -32,31 +26,29 @@ def load_and_pack(
     (one evaluation batch on all ranks: 1% of a small dataset can be fewer rows than that)."""
     splits = _load(dataset_name)
     packed = {n: _pack(s, n, dataset_name, tokenizer, seq_length) for n, s in splits.items()}
-    train = packed["train"]
+    train, rows = packed["train"], f"rows of {seq_length} tokens"
     val_split = "validation" if "validation" in packed else "test"
     val = packed.get(val_split)
     if val is None and val_fraction > 0:
         held_out = max(math.ceil(val_fraction * len(train)), min_val_rows)
         if 2 * min_val_rows > len(train):
             raise SystemExit(
-                f"error: --batch-size: the dataset packs into {len(train)} rows of {seq_length} "
-                f"tokens, too few for a batch of {min_val_rows} rows (--batch-size on every rank) "
-                "to train on and another to validate on; pass a smaller --batch-size or "
-                "--seq-length"
+                f"error: --batch-size: the dataset packs into {len(train)} {rows}, too few for a "
+                f"batch of {min_val_rows} rows (--batch-size on every rank) to train on and another"
+                " to validate on; pass a smaller --batch-size or --seq-length"
             )
         if held_out >= len(train):
             raise SystemExit(
-                f"error: --val-fraction {val_fraction} holds out all {len(train)} rows of "
-                f"{seq_length} tokens, leaving none to train on: pass a smaller --val-fraction, "
-                "or 0 (no validation)"
+                f"error: --val-fraction {val_fraction} holds out all {len(train)} {rows}, leaving "
+                "none to train on: pass a smaller --val-fraction, or 0 (no validation)"
             )
         cut = len(train) - held_out
         train, val = train.select(range(cut)), train.select(range(cut, len(train)))
     if val is not None and len(val) < min_val_rows:
         raise SystemExit(
             f"error: --dataset-name {dataset_name!r}: its {val_split} split packs into {len(val)} "
-            f"rows of {seq_length} tokens, fewer than one evaluation batch ({min_val_rows} rows: "
-            "--batch-size on every rank); pass a smaller --batch-size or --seq-length"
+            f"{rows}, fewer than one evaluation batch ({min_val_rows} rows: --batch-size on every "
+            "rank); pass a smaller --batch-size or --seq-length"
         )
     return train, val
 
@@ -64,21 +56,19 @@ def load_and_pack(
 def looks_like_path(name: str) -> bool:
     """A name meant as a local path (`./x`, `/x`, `~/x`, or `a/b` where `a` exists; a Hub name is
     `owner/name`): one that does not exist is reported missing, not looked up on the Hub."""
-    first = name.split("/")[0]
     explicit = name.startswith((".", "/", "~")) or os.path.exists(name)
-    return explicit or ("/" in name and os.path.exists(first))
+    return explicit or ("/" in name and os.path.exists(name.split("/")[0]))
 
 
 def _load(dataset_name: str) -> dict:
-    flag = f"--dataset-name {dataset_name!r}"
-    path = os.path.expanduser(dataset_name)
-    looks_local = looks_like_path(dataset_name)
+    flag, path = f"--dataset-name {dataset_name!r}", os.path.expanduser(dataset_name)
+    looks_local, suffix = looks_like_path(dataset_name), Path(path).suffix
     if looks_local and not os.path.exists(path):
         raise SystemExit(f"error: {flag}: no such file or folder (from {os.getcwd()})")
-    suffix = Path(path).suffix
     if os.path.isfile(path) and suffix not in _BUILDERS:
-        known = ", ".join(_BUILDERS)
-        raise SystemExit(f"error: {flag}: cannot read {suffix!r} files (use {known})")
+        raise SystemExit(
+            f"error: {flag}: cannot read {suffix!r} files (use {', '.join(_BUILDERS)})"
+        )
     try:
         if os.path.isfile(path):
             splits = datasets.load_dataset(_BUILDERS[suffix], data_files=path)
@@ -100,9 +90,10 @@ def _pack(data, split, dataset_name, tokenizer, seq_length):
         raise SystemExit(f"error: {flag}: its {split} split is empty")
     if "text" not in data.column_names:
         raise SystemExit(f"error: {flag} has no 'text' column (columns: {data.column_names})")
-    text_type = data.features["text"]
-    if text_type != datasets.Value("string"):
-        raise SystemExit(f"error: {flag}: its 'text' column holds {text_type}, not text")
+    if data.features["text"] != datasets.Value("string"):
+        raise SystemExit(
+            f"error: {flag}: its 'text' column holds {data.features['text']}, not text"
+        )
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     # A worker takes about a second to start: only big datasets get several. Else this process maps
     # (None): num_proc=1 would run a forked pool of one and a manager process.

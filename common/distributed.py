@@ -50,8 +50,7 @@ def rank0_first(local: bool = False):
         time.sleep(0.1)
         if time.monotonic() - start > report:
             logger.warning(
-                f"Waiting {report // 60} min so far for rank {first} "
-                "(downloading, preparing the data)"
+                f"Waiting {report // 60} min so far for rank {first} (downloading, data)"
             )
             report += 600
     status = store.get(key).decode()
@@ -134,14 +133,9 @@ def no_forward_buffer_sync() -> dict:
 
 def destroy_process_group_and_exit() -> None:
     """The end of a run on this rank, done or stopped: destroy_process_group, the atexit functions,
-    then exit 0, everything written, without the interpreter's shutdown. Why: gloo's worker threads
-    (CPU runs, --cpu-offload) outlive destroy_process_group (DTensor's caches keep each DeviceMesh's
-    groups). A worker that lets go of a collective's tensors takes the GIL; if the interpreter is
-    shutting down by then (a descheduled thread on a loaded machine), Python before 3.14 ends it
-    inside a C++ destructor: "terminate called without an active exception", SIGABRT, and torchrun
-    reports a job that trained, saved and exported as failed (DIAGNOSING.md). A failed rank still
-    exits through Python's shutdown, which waits for an async save in flight; its error is in
-    torchrun's summary before any such abort (`record`)."""
+    then exit 0, everything written, without the interpreter's shutdown, where a gloo worker thread
+    (which outlives the group) can abort Python before 3.14, failing a job that trained: "An abort
+    at exit" in DIAGNOSING.md. A failed rank exits through the shutdown: its error is recorded."""
     dist.destroy_process_group()
     atexit._run_exitfuncs()  # what Python runs at exit before shutting down: wandb's, logging's
     sys.stdout.flush()

@@ -63,9 +63,7 @@ def flops_per_token(model, config, seq_length: int) -> float:
     """Training FLOPs per token: 6 per matmul weight (2 forward, 4 backward) plus attention (PaLM,
     app. B). The weights are those of every linear layer (torch's, torchao's, Transformer Engine's)
     at full shape; the input embedding is a lookup, free, while a tied output head is a matmul."""
-    linears = [
-        m for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features")
-    ]
+    linears = [m for m in model.modules() if hasattr(m, "out_features")]
     matmul_weights = sum(m.in_features * m.out_features for m in linears)
     # A mixture of experts' stacked experts (3-D weights, one slice per expert): each token goes
     # through num_experts_per_tok of them. (The routers' small matmul is left out.)
@@ -79,29 +77,19 @@ def flops_per_token(model, config, seq_length: int) -> float:
 
 
 # Dense (not sparse) bf16 tensor-core peaks from the vendors' datasheets, FLOP/s, by the name
-# torch.cuda.get_device_name() reports, less its "NVIDIA " prefix.
+# torch.cuda.get_device_name() reports, less its "NVIDIA " prefix (the H100 SXM: "H100 80GB HBM3").
+# fmt: off
 _PEAK_BF16_FLOPS = {
-    "GB200": 2.5e15,
-    "B200": 2.25e15,
-    "GH200": 989e12,
-    "H200": 989e12,
-    "H200 NVL": 835e12,
-    "H100": 989e12,  # the SXM part reports "H100 80GB HBM3"
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L40": 181e12,
-    "L4": 121e12,
-    "A10": 125e12,
+    "GB200": 2.5e15, "B200": 2.25e15, "GH200": 989e12, "H200": 989e12, "H200 NVL": 835e12,
+    "H100": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "A100": 312e12, "L40S": 362e12,
+    "L40": 181e12, "L4": 121e12, "A10": 125e12,
 }
+# fmt: on
 
 
 def peak_bf16_flops(device: torch.device) -> float | None:
     """The device's dense bf16 peak, or None where it is not known (then MFU is not reported)."""
-    if device.type != "cuda":
-        return None
-    return lookup_peak_flops(torch.cuda.get_device_name(device))
+    return lookup_peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
 def lookup_peak_flops(name: str) -> float | None:

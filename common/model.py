@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 import transformers
 from packaging.version import Version
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, noop_context_fn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from transformers import AutoConfig, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -37,14 +37,10 @@ def load_config_and_tokenizer(model_name: str, seq_length: int):
     try:
         config = AutoConfig.from_pretrained(model_name)
     except (OSError, ValueError, KeyError) as err:
+        where = f" is neither a local folder (none in {os.getcwd()}) nor a Hub model that loads"
         if os.path.isdir(model_name):  # no config.json, or one without model_type
-            raise SystemExit(
-                f"error: {flag}: no usable config.json in the folder ({first_line(err)})"
-            ) from None
-        raise SystemExit(
-            f"error: {flag} is neither a local folder (none in {os.getcwd()}) nor a Hub model "
-            f"that can be reached ({first_line(err)})"
-        ) from None
+            where = ": no usable config.json in the folder"
+        raise SystemExit(f"error: {flag}{where} ({first_line(err)})") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_name)
     except (OSError, ValueError, TypeError) as err:
@@ -59,10 +55,7 @@ def load_config_and_tokenizer(model_name: str, seq_length: int):
             "model: pass one such as Llama, Qwen or GPT-2"
         )
     if getattr(config, "max_position_embeddings", None) is None:
-        raise SystemExit(
-            f"error: {flag}: its config has no max_position_embeddings to check --seq-length "
-            "against"
-        )
+        raise SystemExit(f"error: {flag}: no max_position_embeddings to check --seq-length against")
     if seq_length > config.max_position_embeddings:
         raise SystemExit(
             f"error: --seq-length {seq_length} is longer than the model's max_position_embeddings "
@@ -142,9 +135,8 @@ def _selective_context():
 def checkpoint_blocks(blocks: list[torch.nn.Module], mode: str) -> None:
     """Activation checkpointing ("full", or "selective": a fresh per-op policy per call): each
     block's forward runs under torch's non-reentrant checkpoint, inside what compile traces and FSDP
-    wraps, so each compiled block holds its own region (as in torchtitan). Before transformers 5.23
-    HF's gradient_checkpointing_enable wraps the whole call: FSDP's hooks and the compiled block ran
-    inside it, and compile never saw the recompute."""
+    wraps, so each compiled block holds its own region (as in torchtitan; HF's own wraps the whole
+    call before transformers 5.23: compile never saw the recompute)."""
     for block in blocks:
         block.forward = _checkpointed(block, block.forward, mode == "selective")
 
@@ -162,10 +154,7 @@ def _checkpointed(block, forward, selective: bool):
         kwargs = {
             k: None if k in _CACHES else False if k == "use_cache" else v for k, v in kwargs.items()
         }
-        if selective:
-            return checkpoint(
-                forward, *args, use_reentrant=False, context_fn=_selective_context, **kwargs
-            )
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        context_fn = _selective_context if selective else noop_context_fn
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return checkpointed_forward

@@ -91,10 +91,8 @@ class Stragglers:
 
     def report(self, timings: dict) -> dict:
         mine = [timings.get(f"time/{phase}_ms", 0.0) for phase in self.PHASES]
-        world = dist.get_world_size()
-        gathered = [torch.empty(len(mine), device=self.device) for _ in range(world)]
-        # all_gather into a list: the same in every torch version.
-        dist.all_gather(gathered, torch.tensor(mine, device=self.device))
+        gathered = [torch.empty(len(mine), device=self.device) for _ in self.hosts]
+        dist.all_gather(gathered, torch.tensor(mine, device=self.device))  # into a list: any torch
         data, forward, _, _, compute = zip(*torch.stack(gathered).tolist())
         compute = compute if any(compute) else forward  # no blocks timed: DDP's forward is local
         work = [d + c for d, c in zip(data, compute)]
