@@ -1,5 +1,6 @@
-"""What every chapter shares, one purpose per module: args (flags), data, model, checkpoints,
-distributed, logs (log lines, metrics.jsonl, wandb), timers (phases, stragglers), metrics."""
+"""What every chapter shares, one purpose per module: args (flags), data, model,
+activation_checkpointing, checkpoints, signals (stopping), distributed, logs (log lines,
+metrics.jsonl, wandb), timers (phases, stragglers), metrics (memory, FLOPs, the NaN guard)."""
 
 import logging
 
@@ -9,17 +10,19 @@ for name in ["torchao", "torch.utils._pytree"]:
     logging.getLogger(name).setLevel(logging.ERROR)
 
 # The chapters call these as common.<name>.
+from common.activation_checkpointing import checkpoint_blocks
 from common.args import base_parser, non_negative_float, non_negative_int, positive_float
 from common.args import positive_int
 from common.checkpoints import AsyncCheckpoints, check_resume, check_save_dir, checkpoint_dir
 from common.checkpoints import check_shared_save_dir, latest_checkpoint, loading, publish_checkpoint
 from common.checkpoints import rng_state, saving, set_rng_state
 from common.data import DEFAULT_DATASET, load_and_pack
-from common.distributed import StopSignal, destroy_process_group_and_exit, no_forward_buffer_sync
+from common.distributed import destroy_process_group_and_exit, no_forward_buffer_sync
 from common.distributed import rank0_first, record
 from common.logs import log_metrics, setup_logging, wandb_mode
 from common.metrics import NonFiniteGuard, flops_per_token, memory_stats, peak_bf16_flops
 from common.metrics import shard_memory
-from common.timers import PhaseTimers
 from common.model import DEFAULT_MODEL, DEFAULT_MOE_MODEL, adamw_param_groups, check_compilable
-from common.model import checkpoint_blocks, load_config_and_tokenizer, transformer_blocks
+from common.model import load_config_and_tokenizer, transformer_blocks
+from common.signals import StopSignal
+from common.timers import PhaseTimers

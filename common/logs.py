@@ -26,7 +26,7 @@ def setup_logging(prefix: str = "", level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
-_wandb_calls = True  # until a stop signal reaches this process (common.distributed.StopSignal)
+_wandb_calls = True  # until a stop signal reaches this process (common.signals.StopSignal)
 
 
 def stop_wandb_calls() -> None:

@@ -464,11 +464,11 @@ def test_selective_checkpointing_keeps_the_fp8_scales_amaxes_and_every_other_mat
     from torch.utils.checkpoint import CheckpointPolicy
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import common.model
+    import common.activation_checkpointing
     from common import DEFAULT_MODEL, checkpoint_blocks, transformer_blocks
 
     seen = []  # (op, the shape of a matmul's second operand, whether its output is kept)
-    create = common.model.create_selective_checkpoint_contexts
+    create = common.activation_checkpointing.create_selective_checkpoint_contexts
 
     def recording(policy):
         def record(ctx, op, *args, **kwargs):
@@ -479,7 +479,7 @@ def test_selective_checkpointing_keeps_the_fp8_scales_amaxes_and_every_other_mat
 
         return create(record)
 
-    monkeypatch.setattr(common.model, "create_selective_checkpoint_contexts", recording)
+    monkeypatch.setattr(common.activation_checkpointing, "create_selective_checkpoint_contexts", recording)
     config = AutoConfig.from_pretrained(DEFAULT_MODEL)  # 128 wide, k and v 64, MLP 384: FP8 multiplies them
     config.num_hidden_layers = 1
     model = AutoModelForCausalLM.from_config(config)

@@ -377,7 +377,7 @@ def test_the_host_waits_for_the_device_only_at_logging_steps(tmp_path, hf_home, 
     assert sorted(steps) == list(range(9)), steps
     expected = {
         "from host common/data.py _rows",  # the batch: made on the host, copied from pinned memory without waiting
-        "read common/distributed.py agreed",  # on the CPU only
+        "read common/signals.py agreed",  # on the CPU only
     }
     between_logs = {step: events - expected for step, events in steps.items() if step % 4}
     assert between_logs == dict.fromkeys(between_logs, set()), between_logs

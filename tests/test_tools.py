@@ -251,8 +251,8 @@ def test_planner_matches_torchtitans_published_saving_from_more_gpus():
 
 def test_planner_matches_torchtitans_published_peaks_with_selective_checkpointing():
     """The same torchtitan runs keep, with torch.compile, the outputs of attention and of every other
-    matmul (its selective checkpointing, the policy of common/model.py): 77.0 GiB reserved per GPU on 8
-    GPUs and 62.0 on 128. The planner's allocated bytes lie just under (reserved includes what the
+    matmul (its selective checkpointing, the policy of common/activation_checkpointing.py): 77.0 GiB
+    reserved per GPU on 8 GPUs and 62.0 on 128. The planner's allocated bytes lie just under (reserved includes what the
     allocator holds but has not handed out)."""
     from tools.plan import GIB, Layout, count, plan
 

@@ -21,8 +21,9 @@ that does. The formulas are those the chapter READMEs teach; this is the one pla
   MLP its activation: 6h + 2kv + 4I values in the compute dtype. With TP and sequence parallel,
   all of it is split over the tp ranks except the two gathered inputs of attention and the MLP
   (2h). With activation checkpointing, a block keeps only its input (h), plus one block's full set
-  while it is recomputed; with selective checkpointing (torchtitan's policy, common/model.py), also
-  the outputs of attention and of every other matmul: 4h + kv + I per token. Outside the blocks: the final norm's fp32 input and its two outputs (h fp32
+  while it is recomputed; with selective checkpointing (torchtitan's policy,
+  common/activation_checkpointing.py), also the outputs of attention and of every other matmul:
+  4h + kv + I per token. Outside the blocks: the final norm's fp32 input and its two outputs (h fp32
   and 2h values), and the logits' log-softmax, 4 bytes per vocabulary entry (split over tp with
   loss parallel).
 - The loss's backward, at its start (where a step's memory peaks, all activations still kept):
@@ -483,7 +484,8 @@ def pipeline_plan(
     }
 
 
-# What selective checkpointing recomputes of a Llama block's matmuls (common/model.py keeps every other one).
+# What selective checkpointing recomputes of a Llama block's matmuls
+# (common/activation_checkpointing.py keeps every other one).
 SELECTIVE_RECOMPUTED = {"k_proj", "o_proj", "up_proj"}
 
 
