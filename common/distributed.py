@@ -47,7 +47,8 @@ def rank0_first(local: bool = False):
         time.sleep(0.1)
         if time.monotonic() - start > report:
             logger.warning(
-                f"Waiting {report // 60} min so far for rank {first} (downloading, data)"
+                f"Waiting {report // 60} min so far for rank {first} "
+                "(downloading, preparing the data)"
             )
             report += 600
     status = store.get(key).decode()
