@@ -6,6 +6,7 @@ import math
 import os
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -115,12 +116,12 @@ def run_chapter(
         cmd = [*torchrun("--standalone", f"--nproc-per-node={nproc}", *torchrun_args), script, *args]
     forked = check and not torchrun_args and "FAULT_SIGNAL_PARENT" not in full_env and not CUDA
     if forked:
-        returncode, stdout, stderr = rank_servers.run(script, list(args), nproc, full_env, timeout, " ".join(cmd))
+        returncode, stdout, stderr, ends = rank_servers.run(script, list(args), nproc, full_env, timeout, " ".join(cmd))
         proc = subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
     else:
-        proc = _run_process(cmd, full_env, timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-5000:]}")
+        proc, ends = _run_process(cmd, full_env, timeout), ""
+    if check and proc.returncode != 0:  # forked, each rank's end; under torchrun, its failure summary
+        raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{ends or proc.stderr[-5000:]}")
     return proc
 
 
@@ -182,12 +183,13 @@ class RankServers:
         server.log.unlink(missing_ok=True)
 
     def run(self, script: str, args: list[str], nproc: int | None, env: dict, timeout: float, command: str):
-        """`command` as its ranks forked from a server: (exit status, stdout, stderr)."""
+        """`command` as its ranks forked from a server: (exit status, stdout, stderr, ends). stdout and
+        stderr are the ranks' own, one after the other in rank order; `ends` is empty if every rank
+        exited 0, else the report of how each rank ended (rank_ends)."""
         import torch.distributed as dist
 
         server = self.server(env)
         with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
-            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
             store = None
             if nproc is None:
                 ranks = [env]
@@ -195,24 +197,30 @@ class RankServers:
                 store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
                 workers = [torchrun_worker_env(rank, nproc, store.port, Path(tmp)) for rank in range(nproc)]
                 ranks = [{"OMP_NUM_THREADS": "1", **env, **worker} for worker in workers]  # torchrun's default
-            jobs = [{"script": script, "argv": args, "env": rank_env, "cwd": str(REPO)} for rank_env in ranks]
-            server.stdin.write(json.dumps({"ranks": jobs, "stdout": str(out), "stderr": str(err)}) + "\n")
+            outs = [(Path(tmp, f"stdout-{rank}"), Path(tmp, f"stderr-{rank}")) for rank in range(len(ranks))]
+            jobs = [{"script": script, "argv": args, "env": rank_env, "cwd": str(REPO), "stdout": str(out),
+                     "stderr": str(err)} for rank_env, (out, err) in zip(ranks, outs)]  # fmt: skip
+            server.stdin.write(json.dumps({"ranks": jobs}) + "\n")
             server.stdin.flush()
             pids = self.reply(server, 120)["pids"]
-            codes = None
+            ended = None
             try:
-                codes = self.reply(server, timeout)["codes"]
+                ended = self.reply(server, timeout)
             except TimeoutError:
                 stacks = "\n".join(python_stacks(pid) for pid in pids)
-                raise AssertionError(f"{command} still ran after {timeout} s:\n{err.read_text()[-8000:]}\n{stacks}")
+                printed = "".join(read(err) for _, err in outs)
+                raise AssertionError(f"{command} still ran after {timeout} s:\n{printed[-8000:]}\n{stacks}")
             finally:
-                if codes is None:  # a hang, or the test was interrupted: its ranks go with it
+                if ended is None:  # a hang, or the test was interrupted: its ranks go with it
                     for pid in pids:
                         kill_all(pid)
                     self.reply(server, 60)
                 del store
+            codes = ended["codes"]
             returncode = next((code for code in codes if code != 0), 0)
-            return returncode, out.read_text() if out.exists() else "", err.read_text() if err.exists() else ""
+            stderrs = [read(err) for _, err in outs]
+            ends = rank_ends(codes, ended["ended"], pids, stderrs) if returncode else ""
+            return returncode, "".join(read(out) for out, _ in outs), "".join(stderrs), ends
 
     @staticmethod
     def reply(server: subprocess.Popen, timeout: float) -> dict:
@@ -230,6 +238,33 @@ class RankServers:
             pending += chunk
         line, server.pending = pending.split(b"\n", 1)
         return json.loads(line)
+
+
+def read(path: Path) -> str:
+    return path.read_text(errors="backslashreplace") if path.exists() else ""
+
+
+def exit_name(code: int) -> str:
+    """As torchrun's failure summary names a worker's end: "exitcode 1", "exitcode -11 (SIGSEGV)"."""
+    return f"exitcode {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
+
+
+def rank_ends(codes: list[int], ended: list[float], pids: list[int], stderrs: list[str], chars: int = 3000) -> str:
+    """How each forked rank ended, first failure first (as torchrun's summary puts its root cause), each
+    with its exit code or signal, when, and the last `chars` it wrote to stderr: the rank that failed
+    first, not the one that noticed (a peer's lost connection) and is first in rank order."""
+    first = min(ended[rank] for rank in range(len(codes)) if codes[rank] != 0)
+    order = sorted(range(len(codes)), key=lambda rank: (codes[rank] == 0, ended[rank]))
+    report = []
+    for rank in order:
+        when = "first to fail" if codes[rank] and ended[rank] == first else f"{ended[rank] - first:+.2f} s from it"
+        head = f"rank {rank} (local_rank {rank}, pid {pids[rank]}): {exit_name(codes[rank])}, {when}"
+        # A progress bar's last state (tqdm redraws after \r); not faulthandler's list of C extensions
+        # (6 KB), which ends its stacks.
+        lines = [line.rsplit("\r", 1)[-1] for line in stderrs[rank].splitlines()]
+        last = "\n".join(line for line in lines if not line.startswith("Extension modules: "))[-chars:]
+        report.append(f"--- {head}; the last of its stderr:\n{last}" if last else f"--- {head}; no stderr")
+    return "\n".join(report)
 
 
 def torchrun_worker_env(rank: int, nproc: int, port: int, folder: Path) -> dict:

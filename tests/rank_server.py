@@ -10,10 +10,13 @@ shutdown), its exit status the run's. Nothing of the tests' is imported until a 
 environment: tests/faults/sitecustomize.py then runs as it would at a process's start.
 
 The protocol, one JSON line each way:
-    in:  {"ranks": [{"script", "argv", "env", "cwd"}, ...], "stdout": path, "stderr": path}
+    in:  {"ranks": [{"script", "argv", "env", "cwd", "stdout": path, "stderr": path}, ...]}
     out: {"pids": [...]}                   once every rank has been forked
-    out: {"codes": [...]}                  once every rank has ended (as os.waitstatus_to_exitcode)
-When a rank fails, the others get SIGTERM, and SIGKILL 5 s later, as torchrun does. The server exits
+    out: {"codes": [...], "ended": [...]}  once every rank has ended: each one's exit status (as
+                                           os.waitstatus_to_exitcode), and when, in seconds after the fork
+Each rank writes to files of its own, as torchrun's workers with --redirects 3 --log-dir: what a rank
+printed last is its own, whatever its peers printed after it. When a rank fails, the others get
+SIGTERM, and SIGKILL 5 s later, as torchrun does. The server exits
 when its stdin closes (the tests' process ended); its ranks die with it (PR_SET_PDEATHSIG).
 """
 
@@ -65,16 +68,16 @@ def serve() -> dict | None:
         for rank in run["ranks"]:
             pid = os.fork()
             if pid == 0:
-                return {**rank, "stdout": run["stdout"], "stderr": run["stderr"]}
+                return rank
             pids.append(pid)
         reply({"pids": pids})
-        reply({"codes": wait(pids)})
+        reply(wait(pids))
     return None
 
 
-def wait(pids: list[int]) -> list[int]:
-    codes = {}
-    kill_at = None
+def wait(pids: list[int]) -> dict:
+    codes, ended = {}, {}
+    start, kill_at = time.monotonic(), None
     while len(codes) < len(pids):
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
@@ -82,11 +85,11 @@ def wait(pids: list[int]) -> list[int]:
                 signal_all(pids, codes, signal.SIGKILL)
             time.sleep(0.02)
             continue
-        codes[pid] = os.waitstatus_to_exitcode(status)
+        codes[pid], ended[pid] = os.waitstatus_to_exitcode(status), time.monotonic() - start
         if codes[pid] != 0 and kill_at is None:  # as torchrun: a failed rank stops the others
             signal_all(pids, codes, signal.SIGTERM)
             kill_at = time.monotonic() + GRACE
-    return [codes[pid] for pid in pids]
+    return {"codes": [codes[pid] for pid in pids], "ended": [ended[pid] for pid in pids]}
 
 
 def signal_all(pids: list[int], ended: dict, signum: int) -> None:

@@ -55,7 +55,7 @@ def test_a_forked_rank_gets_what_torchrun_gives_its_worker(tmp_path):
     (tmp_path / "forked").mkdir()
     command = [*torchrun("--standalone", "--nproc-per-node=2"), str(script), str(tmp_path / "torchrun")]
     subprocess.run(command, env=env, cwd=REPO, check=True, capture_output=True, timeout=120)
-    code, _, stderr = rank_servers.run(str(script), [str(tmp_path / "forked")], 2, env, 120, "env_dump")
+    code, _, stderr, _ = rank_servers.run(str(script), [str(tmp_path / "forked")], 2, env, 120, "env_dump")
     assert code == 0, stderr
     WAYS = ("torchrun", "forked")  # noqa: N806
     for rank in range(2):
@@ -85,3 +85,23 @@ def test_a_hung_forked_rank_is_killed_and_reported(tmp_path, hf_home):
     assert "slow_load_and_pack" in message and "rank0_first" in message, message[-5000:]  # py-spy's stacks
     for server in rank_servers.servers.values():
         assert psutil.Process(server.pid).children() == []
+
+
+def test_a_forked_run_reports_the_rank_that_failed_first(tmp_path, hf_home):
+    """A forked run whose rank 1 dies of a signal (SIGSEGV in its second optimizer step) fails with each
+    rank's end, first failure first, as torchrun's summary names its root cause: rank 1's signal and its
+    own last lines (faulthandler's stack), then rank 0's, whose peer was gone."""
+    import pytest
+    from harness import FAST_ARGS, run_chapter
+
+    faults = {"FAULT_SIGNAL_AT_STEP": 2, "FAULT_SIGNAL": "SEGV", "FAULT_RANK": 1}
+    args = [*FAST_ARGS, "--max-steps", "3", "--save-dir", str(tmp_path)]
+    with pytest.raises(AssertionError) as failure:
+        run_chapter("02-multi-gpu", *args, nproc=2, hf_home=hf_home, faults=faults)
+    ends = str(failure.value).split("\n--- ")
+    assert ends[1].startswith("rank 1 (local_rank 1, pid "), ends[1][:300]
+    assert "): exitcode -11 (SIGSEGV), first to fail; the last of its stderr:" in ends[1].splitlines()[0]
+    current = ends[1].split("Current thread ")[-1]  # faulthandler's stack of the thread that got the signal
+    assert 'faults.py", line' in current and "in before_step" in current, ends[1]
+    assert ends[2].startswith("rank 0 (local_rank 0, pid ") and " s from it; " in ends[2].splitlines()[0]
+    assert "before_step" not in ends[2], ends[2]  # each rank's own lines
