@@ -25,6 +25,10 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import tqdm
 import wandb
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+    consolidate_safetensors_files_on_every_rank,  # merges the ranks' shards into published files
+)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -85,7 +89,11 @@ def main():
     common.check_save_dir(args.save_dir)
     with common.rank0_first(local=args.node_local_cache):
         config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
+        # --from-pretrained: the published safetensors, downloaded once per node (or a folder's).
+        weights = common.pretrained_weights(args.model_name) if args.from_pretrained else None
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
+    if args.export_hf:  # each rank writes its part there: one folder, seen by all
+        common.check_export_folder(args.export_hf)
     # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
     tp.check_tp_size(args.tp_size, config, args.seq_length)  # whole heads and whole tokens per rank
@@ -108,11 +116,10 @@ def main():
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # --- 4. Model ---
-    # Built on the CPU from the seed: every chapter starts from the same weights.
-    # Only rank 0 holds it whole; others wait on the job's store (rank0_first) through any download.
+    # Seeded weights are built whole on rank 0's CPU and sent: every chapter starts from the same
+    # ones. Published weights are read by each rank, its own slices only (load_pretrained).
     torch.manual_seed(args.seed)
-    with common.rank0_first():
-        full_model = build_model(args, config) if rank == 0 else None
+    full_model = build_model(args, config) if rank == 0 and not weights else None
     # Each rank builds the model on the meta device (shapes, no memory), allocating only its shards.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -123,7 +130,10 @@ def main():
     blocks = common.transformer_blocks(model)
     parallelize(model, blocks, mesh, args, dtype, use_compile)
     model.to_empty(device="cpu" if args.cpu_offload else device)
-    send_full_weights(model, full_model, device)
+    if weights:
+        load_pretrained(model, weights)
+    else:
+        send_full_weights(model, full_model, device)
     del full_model
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(f"{num_params:,} parameters, split over {args.tp_size} tp ranks and sharded over {shard_size} dp ranks")
@@ -292,13 +302,25 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
 
 
 def build_model(args, config):
-    """The model in fp32 on CPU: seeded random weights, or --from-pretrained the published ones."""
-    if not args.from_pretrained:
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    try:
-        return AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
-    except OSError as err:
-        raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
+    """The model in fp32 on CPU, its seeded random weights."""
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def load_pretrained(model, folder):
+    """--from-pretrained: each rank reads only its own slices of the published safetensors (DCP's
+    Hugging Face reader: bf16 on disk copied into fp32 shards) and builds the buffers no file holds
+    (rotary frequencies): no rank holds the whole model."""
+    common.build_buffers(model)
+    with common.loading_pretrained(folder):
+        dcp.load(published_state(model), storage_reader=common.weights_reader(folder))
+
+
+def published_state(model):
+    """This rank's shards under the names transformers publishes: a tied weight once, by the
+    first of its names (the input embeddings')."""
+    named = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    tied = named - {name for name, _ in model.named_parameters()}
+    return {name: value for name, value in get_model_state_dict(model).items() if name not in tied}
 
 
 def send_full_weights(model, full_model, device):
@@ -435,16 +457,20 @@ def init_wandb(args, exp_dir, run_id):
 
 
 def export_hf(model, config, tokenizer, folder, dtype):
-    """Writes a folder that `from_pretrained` loads: the weights in `dtype`, and the tokenizer."""
-    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:  # full weights were gathered onto rank 0's CPU: it alone writes them
-        return
-    with torch.device("meta"):
-        export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    export_model.load_state_dict({name: value.to(dtype) for name, value in full_state.items()}, assign=True)
-    export_model.tie_weights()  # converted one by one, tied weights became two tensors again
-    export_model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    """Writes a folder that `from_pretrained` and vLLM load, in `dtype`: each rank writes its own
+    shards (DCP's Hugging Face writer), then every rank merges some of the files, one tensor at a
+    time; config and tokenizer beside them. No rank holds the whole model."""
+    state = {name: value.to(dtype) for name, value in published_state(model).items()}
+    files = common.file_index(state)  # which tensor goes in which of the published files
+    with common.exporting(folder) as tmp:  # published whole, once every rank has written
+        writer = HuggingFaceStorageWriter(str(tmp / "sharded"), files, save_distributed=True)
+        dcp.save(state, storage_writer=writer)
+        consolidate_safetensors_files_on_every_rank(str(tmp / "sharded"), str(tmp), files)
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp / "sharded")
+            common.published_config(config, dtype).save_pretrained(tmp)
+            model.generation_config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     logger.info(f"Exported the model to {folder} in {dtype}")
 
 

@@ -42,17 +42,26 @@ def latest_checkpoint(exp_dir: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def publish_checkpoint(tmp_dir: Path, final_dir: Path, keep: int) -> None:
-    """`tmp_dir`, fully written, becomes `final_dir`: flushed, then renamed (atomic: a crash never
-    leaves a partial checkpoint). The newest `keep` are kept: a bad one is never the only one."""
+def publish(tmp_dir: Path, final_dir: Path) -> None:
+    """`tmp_dir`, fully written, becomes `final_dir` (replacing it): flushed, then renamed (atomic: a
+    crash never leaves a partial folder under the final name)."""
     for path in [*tmp_dir.rglob("*"), tmp_dir]:
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
+    old = final_dir.with_name(final_dir.name + ".old")
+    if final_dir.exists():
+        os.replace(final_dir, old)
     os.replace(tmp_dir, final_dir)
     fd = os.open(final_dir.parent, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def publish_checkpoint(tmp_dir: Path, final_dir: Path, keep: int) -> None:
+    """A checkpoint published; the newest `keep` are kept: a bad one is never the only one."""
+    publish(tmp_dir, final_dir)
     # Older *.tmp folders are saves a crash interrupted; a newer one may be an async save in flight.
     stale = [p for p in final_dir.parent.glob("step-*.tmp") if p.name < final_dir.name]
     for old in complete_checkpoints(final_dir.parent.parent)[:-keep] + stale:
@@ -124,11 +133,8 @@ def saving(tmp_dir: Path, step: int):
     """A full disk during a save as one line: the unfinished save removed, earlier ones intact."""
     try:
         yield
-    # A full disk is a RuntimeError ("iostream error") from torch.save, a CheckpointException from
-    # DCP (no Exception subclass: it must be named). The disk itself says whether it is full.
     except (OSError, RuntimeError, CheckpointException) as err:
-        usage = shutil.disk_usage(tmp_dir.parent)
-        if getattr(err, "errno", None) != errno.ENOSPC and usage.free > usage.total // 1000:
+        if not disk_full(err, tmp_dir.parent):
             raise
         shutil.rmtree(tmp_dir, ignore_errors=True)
         previous = latest_checkpoint(tmp_dir.parent.parent)
@@ -139,6 +145,13 @@ def saving(tmp_dir: Path, step: int):
             f"error: no space left on the device of {tmp_dir.parent} while saving step {step}; "
             f"{intact}: free some space (or lower --keep-checkpoints), then rerun to resume"
         ) from None
+
+
+def disk_full(err: BaseException, folder: Path) -> bool:
+    # A full disk is a RuntimeError ("iostream error") from torch.save, a CheckpointException from
+    # DCP (no Exception subclass: it must be named). The disk itself says whether it is full.
+    usage = shutil.disk_usage(folder)
+    return getattr(err, "errno", None) == errno.ENOSPC or usage.free <= usage.total // 1000
 
 
 @contextmanager

@@ -125,6 +125,18 @@ def run_chapter(
     return proc
 
 
+def run_forked(chapter: str, *args: str, nproc: int, hf_home: Path, faults: dict | None = None,
+               rank_args: list[list[str]] | None = None, timeout: float = 300):
+    """A run that may fail, its ranks forked as run_chapter's (its refusals, as each rank meets them):
+    (exit status, its ranks' stderr, how each ended). `rank_args`: each rank's own extra arguments
+    (another node's --save-dir or --export-hf, which a cluster's nodes may see differently)."""
+    script = str(REPO / chapter / "train_llm.py")
+    argvs = [[*args, *extra] for extra in rank_args] if rank_args else list(args)
+    code, _, stderr, ends = rank_servers.run(script, argvs, nproc, chapter_env(hf_home, None, faults), timeout,
+                                             f"{chapter} {' '.join(args)}")  # fmt: skip
+    return code, stderr, ends
+
+
 def _run_process(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     popen = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -198,8 +210,9 @@ class RankServers:
                 workers = [torchrun_worker_env(rank, nproc, store.port, Path(tmp)) for rank in range(nproc)]
                 ranks = [{"OMP_NUM_THREADS": "1", **env, **worker} for worker in workers]  # torchrun's default
             outs = [(Path(tmp, f"stdout-{rank}"), Path(tmp, f"stderr-{rank}")) for rank in range(len(ranks))]
-            jobs = [{"script": script, "argv": args, "env": rank_env, "cwd": str(REPO), "stdout": str(out),
-                     "stderr": str(err)} for rank_env, (out, err) in zip(ranks, outs)]  # fmt: skip
+            argvs = args if args and isinstance(args[0], list) else [args] * len(ranks)  # or each rank's own
+            jobs = [{"script": script, "argv": argv, "env": rank_env, "cwd": str(REPO), "stdout": str(out),
+                     "stderr": str(err)} for rank_env, argv, (out, err) in zip(ranks, argvs, outs)]  # fmt: skip
             server.stdin.write(json.dumps({"ranks": jobs}) + "\n")
             server.stdin.flush()
             pids = self.reply(server, 120)["pids"]
@@ -458,6 +471,17 @@ def differences(run: Path, reference: Path, tmp_path: Path, steps: int = 12) -> 
     assert weights.keys() == ref_weights.keys()  # chapter 04's names: model.layers.3.mlp.up_proj.weight, ...
     worst["weights"] = max((weights[name] - ref_weights[name]).abs().max().item() for name in ref_weights)
     return worst
+
+
+def safetensors_in(folder: Path) -> dict:
+    """Every tensor of a published folder's safetensors files (one file or several), by name."""
+    from safetensors import safe_open
+
+    found = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            found |= {name: f.get_tensor(name) for name in f.keys()}
+    return found
 
 
 def losses(exp_dir: Path, key: str = "loss") -> list[float]:

@@ -314,12 +314,11 @@ def test_cpu_offload_needs_gpus(tmp_path, hf_home):
 
 def test_export_is_in_the_config_dtype_and_keeps_tied_weights(tmp_path, tied_bf16_fsdp_reference):
     """A model published in bf16 with tied embeddings (as Llama-3.2-1B) is exported in bf16, once."""
-    from safetensors import safe_open
+    from harness import safetensors_in
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     run = tied_bf16_fsdp_reference
-    with safe_open(run / "hf" / "model.safetensors", "pt") as f:
-        exported = {name: f.get_tensor(name) for name in f.keys()}
+    exported = safetensors_in(run / "hf")
     assert {t.dtype for t in exported.values()} == {torch.bfloat16}
     assert "lm_head.weight" not in exported, "a tied output head is saved once, as the embedding"
     dcp_to_torch_save(run / CHAPTER / "checkpoints" / "step-00000003", tmp_path / "full.pt")

@@ -117,7 +117,7 @@ def test_tied_embeddings_stay_tied(tmp_path, hf_home, tied_bf16_fsdp_reference):
     """Llama-3.2-1B ties its output layer to its embedding: both are split over the vocabulary, as
     one weight, and the model trains as chapter 04 trains it (tests/conftest.py's run: 2 ranks x 4
     rows, here one replica of 2 tp ranks on the same 8 rows per step)."""
-    from safetensors import safe_open
+    from harness import safetensors_in
 
     reference = tied_bf16_fsdp_reference
     args = [*FAST_ARGS, "--model-name", str(reference / "model"), "--max-steps", "3", "--batch-size", "8"]
@@ -126,8 +126,7 @@ def test_tied_embeddings_stay_tied(tmp_path, hf_home, tied_bf16_fsdp_reference):
     tp_losses, fsdp_losses = losses(tmp_path / CHAPTER), losses(reference / "04-fsdp")
     assert len(tp_losses) == len(fsdp_losses) == 3
     assert max(abs(a - b) for a, b in zip(tp_losses, fsdp_losses)) <= 1e-5
-    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
-        assert "lm_head.weight" not in f.keys(), "a tied output head is saved once, as the embedding"
+    assert "lm_head.weight" not in safetensors_in(tmp_path / "hf"), "a tied output head is saved once"
 
 
 @pytest.mark.parametrize(

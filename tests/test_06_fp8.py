@@ -256,9 +256,9 @@ def test_transformer_engine_layers_train_in_fp8_from_rank_0s_weights(te_run, ddp
 def test_transformer_engine_export_and_exact_resume(te_run, tmp_path, hf_home):
     """The export holds HF's weights only (no TE extra state), and a resumed run, whose checkpoint
     carries the TE layers' extra state through DCP, retraces the uninterrupted one exactly."""
-    from safetensors.torch import load_file
+    from harness import safetensors_in
 
-    exported = load_file(te_run / "export" / "model.safetensors")
+    exported = safetensors_in(te_run / "export")
     assert "model.layers.0.mlp.down_proj.weight" in exported
     assert not [name for name in exported if "extra_state" in name]
     rewind(te_run / CHAPTER, tmp_path / CHAPTER, step=6)

@@ -511,6 +511,80 @@ def test_planner_counts_qwen3_30b_a3b_expert_parallel(capsys):
     assert "below 24,576 tokens per GPU per micro-step (here 8,192)" in out
 
 
+def test_planner_counts_a_start_from_published_weights_and_an_export_by_hand(capsys):
+    """Llama-3.1-70B (bf16 on disk, untied: its largest tensors the embeddings and the head, 128,256
+    x 8,192) over 4 nodes of 8. FSDP: each GPU reads its 1/32 of the model into its shards and
+    writes as much; a node 1/4, at 2 GB/s. HSDP with a group per node: each GPU reads its 1/8, every
+    node the whole model, the job 4 models; DCP still writes each shard once, 1/32 per GPU. The
+    merge: file i on rank i, so the 28 files of <= 5 GiB land on ranks 1-28, 8 on node 1 (8-15)."""
+    import itertools
+
+    from tools.plan import GIB, Layout, count, main, plan, published_io
+
+    m = count(str(REPO / "tools" / "model_shapes" / "llama-3.1-70b"))
+    p, model, head = m["params"], 2 * m["params"], 128_256 * 8192
+    fsdp = published_io(m, Layout("FSDP", 32), plan(m, Layout("FSDP", 32), 1, 4096, 2, False))
+    assert fsdp["read"] == fsdp["cast"] == fsdp["written"] == model / 32
+    assert fsdp["read_node"] == fsdp["written_node"] == model / 4 and fsdp["read_job"] == model
+    assert fsdp["read_host"] == head / 32 * (2 + 4)  # a slice in bf16, and its fp32 cast
+    assert fsdp["merge_host"] == head * 2 * (1 + 1 / 32)  # the head whole, and a piece of it
+    files = fsdp["files"]
+    assert len(files) == 28 and sum(files) == model and max(files) <= 5 * GIB
+    # Whole tensors in order, each file closed by the tensor that would take it past 5 GiB.
+    sizes = [2 * numel for numel in m["tensors"]]
+    tensors_before = {end: j for j, end in enumerate(itertools.accumulate(sizes), 1)}
+    for end, file in zip(itertools.accumulate(files[:-1]), files):
+        assert file + sizes[tensors_before[end]] > 5 * GIB
+    assert fsdp["write_host"] == 2 * max(files) / 32
+    assert fsdp["merged"] == max(files) and fsdp["merging"] == (28, 4)
+    assert fsdp["merged_node"] == sum(files[7:15])  # ranks 8-15, node 1: a file each
+    hsdp = Layout("HSDP", 32, shard=8)
+    hsdp = published_io(m, hsdp, plan(m, hsdp, 1, 4096, 2, False))
+    assert hsdp["read"] == hsdp["cast"] == model / 8 and hsdp["read_node"] == model
+    assert hsdp["read_job"] == 4 * model and hsdp["written"] == model / 32
+    assert hsdp["read_host"] == head / 8 * 6
+    tp = Layout("FSDP x TP", 32, tp=8)
+    tp = published_io(m, tp, plan(m, tp, 8, 4096, 2, False))
+    assert tp["read"] == tp["written"] == model / 32 and tp["read_host"] == fsdp["read_host"]
+
+    main([str(REPO / "tools" / "model_shapes" / "llama-3.1-70b"), "--nodes", "4"])
+    out = capsys.readouterr().out
+    assert "Published weights (04-09), bfloat16 safetensors; shared storage at 2 GB/s per" in out
+    read = f"reads its own slices: {model / 32 / GIB:.2f} GiB, a node {model / 4 / GIB:.2f} GiB"
+    assert f"{read} ({model / 4 / 2e9:.1f} s)" in out
+    assert "then 28 files of <= 5 GiB, merged by 28 GPUs on 4 nodes" in out
+    export = (model / 4 + 2 * sum(files[7:15])) / 2e9
+    assert f"in all, at best: {model / 4 / 2e9:.1f} s to start, {export:.1f} s to export" in out
+    assert f"before, rank 0 alone: {4 * p / GIB:.1f} GiB of fp32 on its host" in out
+    main([str(REPO / "tools" / "model_shapes" / "llama-3.1-70b"), "--nodes", "4",
+          "--storage-gbps", "4"])  # fmt: skip
+    assert f"{read} ({model / 4 / 4e9:.1f} s)" in capsys.readouterr().out
+
+
+def test_planner_counts_published_experts_by_hand(capsys):
+    """Qwen3-30B-A3B over 2 nodes of 8 at --ep-size 8: every tensor split over the 16 GPUs (the
+    experts over ep 8 x efsdp 2), so each reads and writes 1/16 of the model; its largest tensor
+    is a layer's stacked gate_up_proj, 128 experts x 2 x 768 x 2048. 13 files: ranks 1-7 on node 0
+    merge 7 of them, ranks 8-13 on node 1 the other 6."""
+    from tools.plan import GIB, Layout, count, main, plan, published_io
+
+    m = count(str(REPO / "tools" / "model_shapes" / "qwen3-30b-a3b"))
+    model, gate_up = 2 * m["params"], 128 * 2 * 768 * 2048
+    ep = Layout("EP", 16, checkpointing=True, ep=8)
+    io = published_io(m, ep, plan(m, ep, 2, 4096, 2, False))
+    assert io["read"] == io["cast"] == io["written"] == model / 16 and io["read_node"] == model / 2
+    assert io["read_host"] == gate_up / 16 * 6 and io["merge_host"] == gate_up * 2 * (1 + 1 / 16)
+    files = io["files"]
+    assert len(files) == 13 and sum(files) == model and io["merging"] == (13, 2)
+    assert io["merged_node"] == sum(files[:7])
+
+    main([str(REPO / "tools" / "model_shapes" / "qwen3-30b-a3b"), "--nodes", "2",
+          "--ep-size", "8"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert f"each GPU reads its own slices: {model / 16 / GIB:.2f} GiB, a node " in out
+    assert f"host {gate_up / 16 * 6 / GIB:.2f} GiB per GPU (its largest slice" in out
+
+
 @pytest.mark.parametrize(
     "model, argv, words",
     [

@@ -50,14 +50,25 @@ def chapter(number: str) -> Path:
 
 
 def unified_diff(old: str, new: str) -> str:
-    """The diff between two files given relative to the repo root, labelled with those paths."""
-    lines = difflib.unified_diff(
-        (REPO / old).read_text().splitlines(keepends=True),
-        (REPO / new).read_text().splitlines(keepends=True),
-        fromfile=f"a/{old}",
-        tofile=f"b/{new}",
-    )
-    return "".join(lines)
+    """The diff between two files given relative to the repo root, labelled with those paths.
+    difflib.unified_diff's matcher treats lines as frequent as blank ones as junk (its autojunk):
+    a new function would show the blank lines around it removed and added again. Not here."""
+    a, b = ((REPO / path).read_text().splitlines(keepends=True) for path in (old, new))
+    lines = [f"--- a/{old}\n", f"+++ b/{new}\n"]
+    for group in difflib.SequenceMatcher(None, a, b, autojunk=False).get_grouped_opcodes(3):
+        (_, i1, _, j1, _), (_, _, i2, _, j2) = group[0], group[-1]
+        lines.append(f"@@ -{_range(i1, i2)} +{_range(j1, j2)} @@\n")
+        for tag, i1, i2, j1, j2 in group:
+            lines += [" " + line for line in a[i1:i2]] if tag == "equal" else []
+            lines += ["-" + line for line in a[i1:i2]] if tag in ("replace", "delete") else []
+            lines += ["+" + line for line in b[j1:j2]] if tag in ("replace", "insert") else []
+    return "".join(lines) if len(lines) > 2 else ""
+
+
+def _range(start: int, stop: int) -> str:
+    """A hunk's lines as unified diffs write them: "start,count" from 1 (difflib's format)."""
+    length = stop - start
+    return f"{start + 1}" if length == 1 else f"{start + (length > 0)},{length}"
 
 
 def render_block(old: str, new: str) -> str:

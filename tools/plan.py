@@ -63,6 +63,12 @@ that does. The formulas are those the chapter READMEs teach; this is the one pla
   one GPU sends, divided by the group's GPUs in a node (8 for FSDP over nodes of 8, 1 for HSDP's
   replicas and for FSDP x TP 8's dp). Time at best: those bytes over the NIC's bandwidth, plus what
   groups inside a node send over NVLink's.
+- Published weights (chapters 04-09): --from-pretrained has each GPU read its own slices of the
+  safetensors into its fp32 shards (every replica the whole model), holding above them only a
+  slice and its fp32 cast, on the host. --export-hf casts each shard to the published dtype on the
+  GPU, DCP writes each replicated shard once, and torch's merge gives file i (of <= 5 GiB) to rank
+  i: it reads that file's pieces and writes it, one tensor at a time. Time: those bytes through
+  each node's link to the shared storage, at --storage-gbps (an assumption: 2 GB/s, NFS-like).
 
 The gradients are counted as held at the peak, though under FSDP they are mostly allocated after
 it, as backward frees the activations: a margin of up to 4 bytes per parameter per GPU.
@@ -87,6 +93,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import common  # noqa: F401  (first: it quiets torchao's import-time lines)
+from common.published import EXPORT_FILE_BYTES
 
 # Which layers chapter 06 converts to FP8 is its own module's rule, beside its script; which blocks each of
 # chapter 08's pipeline stages holds, and how many stages a rank runs, its module's.
@@ -166,6 +173,10 @@ def count(model_name: str) -> dict:
         "top_k": config.num_experts_per_tok if moe_layers else 0,
         "expert_width": getattr(config, "moe_intermediate_size", 0) if moe_layers else 0,
         "expert_params": sum(p.numel() for p in moe_layers[0].parameters()) if moe_layers else 0,
+        # The published tensors, in the order --export-hf files them (a tied weight once), and the
+        # dtype they are published in (the chapters' export dtype by default): fp32 if unsaid.
+        "tensors": [p.numel() for p in model.parameters()],
+        "dtype": config.dtype or torch.float32,
     }
 
 
@@ -307,6 +318,57 @@ def expert_traffic(m: dict, layout: Layout, tokens: int, compute_bytes: int) -> 
         "gradients": 4 * held,
         "optimizer": 8 * held,
         "gathered": params / ep * compute_bytes,  # a layer's, while it computes
+    }
+
+
+def export_files(m: dict) -> list[int]:
+    """The bytes of each file --export-hf publishes: whole tensors in order, a new file once one
+    would pass EXPORT_FILE_BYTES (common.file_index's rule)."""
+    files = [0]
+    for numel in m["tensors"]:
+        size = numel * m["dtype"].itemsize
+        if files[-1] and files[-1] + size > EXPORT_FILE_BYTES:
+            files.append(0)
+        files[-1] += size
+    return files
+
+
+def published_io(m: dict, layout: Layout, result: dict) -> dict:
+    """--from-pretrained and --export-hf (chapters 04-09) on one GPU of `layout` (`result`: its
+    plan): the bytes it reads and writes of the published safetensors, and what it holds meanwhile
+    above its training state; per node, what its GPUs move together through its storage link."""
+    disk = m["dtype"].itemsize
+    # The parameters of this GPU's fp32 shards (of a pipeline's first or last stage, the larger).
+    held = max(r["weights"] for r in (result, result.get("last stage", result))) / 4
+    dp = layout.gpus // layout.tp // layout.pp  # FSDP's ranks, cp's among them
+    shard = layout.shard or dp
+    replicas, split = dp // shard, shard * layout.tp  # split: the GPUs that split each large tensor
+    g = min(layout.gpus_per_node, layout.gpus)
+    # DCP writes a replicated shard once, from one of its replicas (_dedup_save_plans). Then torch's
+    # merge gives file i (from 1) to rank i % world size: it reads the file's pieces, writes it.
+    files = export_files(m)
+    merged = [0] * layout.gpus
+    for i, size in enumerate(files, 1):
+        merged[i % layout.gpus] += size
+    nodes = [sum(merged[n : n + g]) for n in range(0, layout.gpus, g)]
+    largest = max(m["tensors"])
+    return {
+        "read": held * disk,  # into the fp32 shards to_empty allocated: no GPU memory above them
+        "read_node": held * disk * g,
+        "replicas": replicas,
+        "read_job": m["params"] * disk * replicas,  # each replica reads the whole model
+        # A slice read, then cast to fp32 on the host: a blocking copy_ to the GPU casts on the CPU.
+        "read_host": largest / split * (disk + 4),
+        "cast": held * disk,  # the export's copy of the shard in the published dtype, on the GPU
+        "written": held * disk / replicas,
+        "written_node": held * disk / replicas * g,
+        # DCP's writer takes its part of each file to the CPU, and safetensors serializes it: twice.
+        "write_host": 2 * max(files) / split,
+        "files": files,
+        "merged": max(merged),  # read, and as much written
+        "merged_node": max(nodes),
+        "merging": (sum(map(bool, merged)), sum(map(bool, nodes))),  # GPUs, nodes
+        "merge_host": largest * disk * (1 + 1 / split),  # a tensor whole, and a piece read into it
     }
 
 
@@ -619,6 +681,10 @@ def main(argv=None) -> None:
     parser.add_argument("--gpu-memory-gib", type=float, default=80)
     parser.add_argument("--nvlink-gbps", type=float, default=450, help="GB/s each GPU sends inside a node (H100)")
     parser.add_argument("--network-gbps", type=float, default=50, help="GB/s through each GPU's NIC (400 Gb/s)")
+    # An assumption, not a measurement: NFS over a node's 25 Gb/s Ethernet (3.1 GB/s raw). Parallel
+    # file systems (Lustre, GPFS, Weka) give a node several times more; a local NVMe, about 3 to 7.
+    parser.add_argument("--storage-gbps", type=float, default=2,
+                        help="GB/s each node reads or writes on shared storage (assumed: NFS-like)")
     args = parser.parse_args(argv)
 
     m = count(args.model)
@@ -656,6 +722,7 @@ def main(argv=None) -> None:
     ac = f", {args.activation_checkpointing} AC" if args.activation_checkpointing else ""
     if args.pp_size > 1:
         print_pipeline(result, args, kind, ac)
+        print_published(m, chosen, result, args.storage_gbps)
         return
     ep = f", ep {args.ep_size}" if args.ep_size > 1 else ""
     cp = f", cp {args.cp_size}" if args.cp_size > 1 else ""
@@ -683,6 +750,8 @@ def main(argv=None) -> None:
     )
     if m["moe_layers"] and not args.ddp and args.tp_size == args.cp_size == 1:
         print_experts(m, chosen, result, args, compute_bytes)
+    if not args.ddp:  # chapters 04 to 09 read and write published weights by shard
+        print_published(m, chosen, result, args.storage_gbps)
 
     usable = 0.9 * args.gpu_memory_gib * GIB  # CUDA's context, allocator fragmentation, temporaries
     print(f"Layouts (fits: under 90% of {args.gpu_memory_gib:g} GiB):")
@@ -775,6 +844,49 @@ def print_experts(m: dict, layout: Layout, result: dict, args, compute_bytes: in
         "  Routing assumed uniform: the busiest rank receives its experts' load over the mean "
         "(chapter 09 logs experts/load) times its share, and its all-to-all's ranks wait for it\n"
     )
+
+
+def print_published(m: dict, layout: Layout, result: dict, gbps: float) -> None:
+    """Chapters 04-09's --from-pretrained and --export-hf on the detailed layout: per GPU and per
+    node, the bytes moved on the shared storage, their time, the memory above the training state;
+    and, for contrast, what rank 0 held and moved alone before (issue #59)."""
+    io, dtype = published_io(m, layout, result), str(m["dtype"]).removeprefix("torch.")
+    model, (gpus, nodes) = m["params"] * m["dtype"].itemsize, io["merging"]
+
+    def gib(size):
+        return f"{size / GIB:.2f} GiB"
+
+    def seconds(size):  # bytes through a node's link, shared by its GPUs, at --storage-gbps
+        return size / 1e9 / gbps
+
+    def timed(size, ways=1):  # ways: 2 for as many bytes read as written
+        each = " each way" if ways == 2 else ""
+        return f"{size / GIB:.2f} GiB{each} ({seconds(ways * size):.1f} s)"
+
+    def plural(n, thing):
+        return f"{n} {thing}{'s' if n != 1 else ''}"
+
+    print(f"Published weights (04-09), {dtype} safetensors; shared storage at {gbps:g} GB/s per "
+          "node (--storage-gbps, assumed):")  # fmt: skip
+    print(f"  --from-pretrained, each GPU reads its own slices: {gib(io['read'])}, a node "
+          f"{timed(io['read_node'])}")  # fmt: skip
+    print(f"    the job {gib(io['read_job'])}: the model once per replica, x {io['replicas']}")
+    print(f"    above the training state: no GPU memory; host {gib(io['read_host'])} per GPU "
+          "(its largest slice, and its fp32 cast)")  # fmt: skip
+    print(f"  --export-hf, each GPU casts its shard ({gib(io['cast'])} of GPU memory) and writes "
+          f"its part: {gib(io['written'])},")  # fmt: skip
+    print(f"    a node {timed(io['written_node'])}; host {gib(io['write_host'])} per GPU (its part "
+          "of a file, serialized)")  # fmt: skip
+    files, limit = plural(len(io["files"]), "file"), EXPORT_FILE_BYTES / GIB
+    print(f"    then {files} of <= {limit:g} GiB, merged by {plural(gpus, 'GPU')} on "
+          f"{plural(nodes, 'node')}: each reads and writes <= {gib(io['merged'])},")  # fmt: skip
+    print(f"    the busiest node {timed(io['merged_node'], 2)}; host {gib(io['merge_host'])} "
+          "per GPU (a tensor whole, as it merges)")  # fmt: skip
+    export = seconds(io["written_node"]) + seconds(2 * io["merged_node"])
+    print(f"  in all, at best: {seconds(io['read_node']):.1f} s to start, {export:.1f} s to export")
+    print(f"  before, rank 0 alone: {4 * m['params'] / GIB:.1f} GiB of fp32 on its host to start, "
+          f"{(4 * m['params'] + model) / GIB:.1f} GiB to export;")  # fmt: skip
+    print(f"    it read and wrote the model through its node's link: {timed(model)} each\n")
 
 
 def print_pipeline(result: dict, args, kind: str, ac: str) -> None:

@@ -6,12 +6,14 @@ This process plays rank RANK of WORLD_SIZE (torchrun's variables, set by the tes
 process group: every collective returns at once, and the chapter's meshes, plans and FSDP are built as on
 the cluster. From the first model the chapter builds, every tensor is a fake one (FakeTensorMode): shapes
 and dtypes, no memory and no arithmetic, so that 8B or 70B parameters cost nothing. What needs values stays
-real: the samplers' permutations; `--from-pretrained` builds from the config (a shape has no weights).
+real: the samplers' permutations; `--from-pretrained` builds from the config (a shape has no weights), and
+chapters 04-09 skip each rank's read of its slices.
 At the end of the first optimizer step it writes PROBE_DRY_RUN's file (what was built) and exits 0.
 """
 
 import json
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,10 +51,14 @@ def install(path: str) -> None:
 
     from_config = AutoModelForCausalLM.from_config.__func__
 
+    def fake_from_now():
+        if "fake" not in built:
+            built["fake"] = fake_mode.__enter__()
+
     def fake_from_config(cls, config, **kwargs):
         # The first model the chapter builds for real starts fake tensors: from here on, nothing is allocated.
-        if not built and torch.empty(0).device.type != "meta":
-            fake_mode.__enter__()
+        if torch.empty(0).device.type != "meta":
+            fake_from_now()
         model = from_config(cls, config, **kwargs)
         built.setdefault("parameters", sum(p.numel() for p in model.parameters()))
         return model
@@ -63,11 +69,35 @@ def install(path: str) -> None:
     AutoModelForCausalLM.from_config = classmethod(fake_from_config)
     AutoModelForCausalLM.from_pretrained = classmethod(fake_from_pretrained)
 
+    # Chapters 04-09 allocate a --from-pretrained model's shards with to_empty(): fake from there on. The
+    # published files are not here (the shape's folder stands in) and fake tensors hold no values: each
+    # rank's read of its slices is skipped, and so are the buffers transformers computes on each rank.
+    to_empty = torch.nn.Module.to_empty
+
+    def fake_to_empty(self, *args, **kwargs):
+        fake_from_now()
+        return to_empty(self, *args, **kwargs)
+
+    torch.nn.Module.to_empty = fake_to_empty
+    import torch.distributed.checkpoint as dcp
+
+    import common
+
+    common.pretrained_weights = Path
+    common.build_buffers = lambda model: None
+    load = dcp.load
+
+    def load_unless_published(state_dict, *args, storage_reader=None, **kwargs):
+        if not isinstance(storage_reader, dcp.HuggingFaceStorageReader):
+            return load(state_dict, *args, storage_reader=storage_reader, **kwargs)
+
+    dcp.load = load_unless_published
+
     # The model to "the GPU": here the CPU it is on already (swapping a fake tied weight would fail).
     to = torch.nn.Module.to
 
     def to_device(self, *args, **kwargs):
-        if built and len(args) == 1 and not kwargs and isinstance(args[0], (str, torch.device)):
+        if "fake" in built and len(args) == 1 and not kwargs and isinstance(args[0], (str, torch.device)):
             return self
         return to(self, *args, **kwargs)
 

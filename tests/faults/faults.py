@@ -75,6 +75,20 @@ def kill_during_shard_write(count: int) -> None:
     filesystem._write_item = write_item_or_die
 
 
+def kill_during_export() -> None:
+    """An export's merge (torch's consolidation of the ranks' shards into the published files): die
+    right after this rank has merged its files, before the others have published the folder."""
+    from torch.distributed.checkpoint import _consolidate_hf_safetensors as consolidation
+
+    merge = consolidation._consolidate_safetensors_files
+
+    def merge_then_die(*args, **kwargs):
+        merge(*args, **kwargs)
+        die()
+
+    consolidation._consolidate_safetensors_files = merge_then_die
+
+
 def slow_shard_writes(seconds: float) -> None:
     import time
 
@@ -277,6 +291,8 @@ if FIRST_ATTEMPT:
         kill_during_checkpoint(int(os.environ["FAULT_KILL_DURING_CHECKPOINT"]))
     if "FAULT_KILL_DURING_SHARD_WRITE" in os.environ and RANK == os.environ.get("FAULT_RANK", "0"):
         kill_during_shard_write(int(os.environ["FAULT_KILL_DURING_SHARD_WRITE"]))
+    if "FAULT_KILL_DURING_EXPORT" in os.environ and RANK == os.environ.get("FAULT_RANK", "0"):
+        kill_during_export()
     step_fault = next((name for name in STEP_FAULTS if name in os.environ), None)
     if step_fault and RANK == os.environ.get("FAULT_RANK", "0"):
         strike_at_step(step_fault, int(os.environ[step_fault]))

@@ -8,6 +8,8 @@ FAULT_KILL_AFTER_CHECKPOINT=N   SIGKILL this process right after its N-th checkp
 FAULT_KILL_DURING_CHECKPOINT=N  SIGKILL this process half-way through a file of its N-th checkpoint.
 FAULT_KILL_DURING_SHARD_WRITE=N SIGKILL rank FAULT_RANK (default 0) half-way through writing its shards of its
                                 N-th DCP checkpoint (chapters 04-06; with --async-checkpoints, in the writing thread).
+FAULT_KILL_DURING_EXPORT=1      SIGKILL rank FAULT_RANK (default 0) once it has merged its files of --export-hf
+                                (torch's consolidation of the ranks' shards), before the folder is published.
 FAULT_SLOW_SHARD_WRITE=S        rank FAULT_RANK writes its shards of every DCP checkpoint S seconds more slowly.
 FAULT_RAISE_AT_STEP=N           raise in the N-th optimizer step, on the rank FAULT_RANK (default 0).
 FAULT_KILL_AT_STEP=N            SIGKILL in the N-th optimizer step, on the rank FAULT_RANK (default 0).
