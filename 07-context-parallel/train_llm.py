@@ -99,10 +99,10 @@ def main():
     with common.rank0_first(local=args.node_local_cache):
         config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
         # --from-pretrained: the published safetensors, downloaded once per node (or a folder's).
-        weights = common.pretrained_weights(args.model_name) if args.from_pretrained else None
+        weights = common.pretrained_weights(args.model_name, config) if args.from_pretrained else None
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
     if args.export_hf:  # each rank writes its part there: one folder, seen by all
-        common.check_export_folder(args.export_hf)
+        common.check_export_folder(args.export_hf, config)
     # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
@@ -329,11 +329,9 @@ def load_pretrained(model, folder):
 
 
 def published_state(model):
-    """This rank's shards under the names transformers publishes: a tied weight once, by the
-    first of its names (the input embeddings')."""
-    named = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    tied = named - {name for name, _ in model.named_parameters()}
-    return {name: value for name, value in get_model_state_dict(model).items() if name not in tied}
+    """This rank's shards under the names transformers publishes (a tied weight once, each expert
+    of a mixture its own tensors)."""
+    return common.published_state(model, get_model_state_dict(model))
 
 
 def send_full_weights(model, full_model, device):

@@ -25,6 +25,6 @@ from common.metrics import shard_memory
 from common.model import DEFAULT_MODEL, DEFAULT_MOE_MODEL, adamw_param_groups, check_compilable
 from common.model import load_config_and_tokenizer, published_config, transformer_blocks
 from common.published import build_buffers, check_export_folder, exporting, file_index
-from common.published import loading_pretrained, pretrained_weights, weights_reader
+from common.published import loading_pretrained, pretrained_weights, published_state, weights_reader
 from common.signals import StopSignal
 from common.timers import PhaseTimers

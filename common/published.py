@@ -4,6 +4,7 @@ export folder that every rank writes and that appears whole or not at all."""
 import glob
 import json
 import os
+import re
 import secrets
 import shutil
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from huggingface_hub import snapshot_download
 from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
 from torch.distributed.checkpoint import QuantizedHuggingFaceStorageReader
 from torch.distributed.tensor import DTensor
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 from common.checkpoints import disk_full, publish
 from common.data import first_line
@@ -24,9 +26,10 @@ PUBLISHED_FILES = ["*.safetensors", "*.json", "*.model", "*.txt", "*.tiktoken"]
 EXPORT_FILE_BYTES = 5 * 2**30  # a file per 5 GB, as the Hub's large models are published
 
 
-def pretrained_weights(model_name: str) -> Path:
+def pretrained_weights(model_name: str, config) -> Path:
     """The folder of --model-name's safetensors: the local folder, or the Hub model's files
     downloaded once into the cache (HF_HOME), as its config and tokenizer were."""
+    _conversions(config.model_type)  # names the chapters can read, or one line now
     folder = os.path.expanduser(model_name)
     if not os.path.isdir(folder):
         try:
@@ -40,6 +43,48 @@ def pretrained_weights(model_name: str) -> Path:
             "from_pretrained, save_pretrained it to a folder, and pass that folder"
         )
     return Path(folder)
+
+
+def published_state(model: torch.nn.Module, state: dict) -> dict:
+    """`state` (this rank's shards) under the names transformers publishes: a tied weight once, by
+    its first name; a mixture of experts' stacked weights one tensor per expert, as published
+    checkpoints hold them: views of this rank's whole experts (sharded on dim 0: FSDP's, EP's)."""
+    named = {name for name, _ in model.named_parameters()}
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - named
+    stacked, renames = _conversions(model.config.model_type)
+    published = {}
+    for name, value in state.items():
+        target, sources = next(((t, s) for t, s in stacked if name.endswith(t)), (None, None))
+        if name in tied or target is None:
+            published[name] = None if name in tied else value
+            continue
+        local = value.to_local() if isinstance(value, DTensor) else value
+        first = value.__create_chunk_list__()[0].offsets[0] if isinstance(value, DTensor) else 0
+        for expert, weights in enumerate(local, start=first):  # (2I, H): gate's rows, then up's
+            for source, part in zip(sources, weights.chunk(len(sources))):
+                published[name.removesuffix(target) + source.replace("*", str(expert))] = part
+    for published_name, in_memory in renames:
+        published = {name.replace(in_memory, published_name): v for name, v in published.items()}
+    return {name: value for name, value in published.items() if value is not None}
+
+
+def _conversions(model_type: str) -> tuple[list, list]:
+    """How transformers converts this family's published weights as it loads them: the stacked
+    experts' sources (`mlp.experts.*.gate_proj.weight`, ...), and the plain renamings, last first."""
+    stacked, renames = [], []
+    for conversion in get_checkpoint_conversion_mapping(model_type) or []:
+        ops = [type(op).__name__ for op in getattr(conversion, "operations", [])]
+        sources, (target,) = conversion.source_patterns, conversion.target_patterns
+        if not ops and not re.search(r"[][()*+?^$|]", sources[0].replace("\\.", "")):
+            renames.insert(0, (sources[0].replace("\\", ""), target))
+        elif ops in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]):
+            stacked.append((target.lstrip("."), [source.lstrip(".") for source in sources]))
+        else:
+            raise SystemExit(
+                f"error: --model-name: transformers converts {model_type}'s published weights in "
+                f"a way the chapters cannot name ({ops or sources}): start it from chapter 03"
+            )
+    return stacked, renames
 
 
 def weights_reader(folder: Path) -> HuggingFaceStorageReader:
@@ -95,9 +140,11 @@ def loading_pretrained(folder: Path):
         ) from None
 
 
-def check_export_folder(folder: str) -> None:
+def check_export_folder(folder: str, config) -> None:
     """Before training: --export-hf must be a new folder (or an earlier export, which it replaces)
-    that every rank sees, as each writes its part there and each merges some of the files."""
+    that every rank sees, as each writes its part there and each merges some of the files; and the
+    family's published names must be known (_conversions)."""
+    _conversions(config.model_type)
     path = Path(folder).absolute()
     if path.is_dir() and any(path.iterdir()) and not (path / "config.json").exists():
         raise SystemExit(f"error: --export-hf {folder}: holds other files; pass a new folder")

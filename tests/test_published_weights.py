@@ -40,6 +40,18 @@ def save_source(folder, tied=False, vocab=515, layers=4):
     return folder
 
 
+def save_moe_source(folder):
+    """The tiny Qwen3-MoE (8 experts per block, no balancing loss asked for: chapter 09 runs with
+    --aux-loss-coef 0, the same objective as the others), seeded weights in bf16, each expert's own
+    tensors, as save_pretrained publishes them."""
+    config = AutoConfig.from_pretrained(REPO / "common" / "tiny_moe")
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder, max_shard_size="400KB")
+    for name in ["tokenizer.json", "tokenizer_config.json"]:
+        shutil.copy(TINY / name, folder / name)
+    return folder
+
+
 def quantize_blocks(weight, block=128):
     """DeepSeek-V3's FP8: e4m3 values, one fp32 scale per 128 x 128 block (`weight_scale_inv`)."""
     rows, cols = weight.shape
@@ -83,7 +95,7 @@ def sources(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sources")
     untied = save_source(folder / "untied")
     return {"untied": untied, "tied": save_source(folder / "tied", tied=True, vocab=512),
-            "fp8": save_fp8_source(folder / "fp8", untied)}  # fmt: skip
+            "fp8": save_fp8_source(folder / "fp8", untied), "moe": save_moe_source(folder / "moe")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +103,7 @@ def references(sources, tmp_path_factory, hf_home):
     """Chapter 01's first step (8 rows) from each source through transformers' from_pretrained."""
     out = tmp_path_factory.mktemp("references")
     steps = {}
-    for name in ["untied", "tied"]:
+    for name in ["untied", "tied", "moe"]:
         args = [*ARGS, "--batch-size", "8", "--model-name", str(sources[name]), "--from-pretrained"]
         run_chapter("01-single-gpu", *args, "--save-dir", str(out / name), hf_home=hf_home)
         steps[name] = read_metrics(out / name / "01-single-gpu")[1]
@@ -104,6 +116,7 @@ LAYOUTS = {  # chapter, ranks, source, flags: 8 rows in each step
     "06-fp8-x-tp": ("06-fp8", 2, "untied", ["--tp-size", "2", "--fp8-emulate", "--batch-size", "8"]),
     "07-cp": ("07-context-parallel", 2, "untied", ["--cp-size", "2", "--batch-size", "8"]),
     "08-pp-x-fsdp": ("08-pipeline-parallel", 4, "untied", ["--pp-size", "2", "--batch-size", "2"]),
+    "04-moe": ("04-fsdp", 2, "moe", ["--batch-size", "4"]),  # whole experts on each rank, by name
 }
 
 
@@ -125,7 +138,8 @@ def test_each_layout_starts_as_from_pretrained_and_exports_the_source(layout, so
     assert exported.keys() == published.keys()
     for name, value in published.items():
         assert exported[name].dtype == value.dtype and torch.equal(exported[name], value), name
-    assert AutoConfig.from_pretrained(tmp_path / "hf").architectures == ["LlamaForCausalLM"]
+    assert AutoConfig.from_pretrained(tmp_path / "hf").architectures == AutoConfig.from_pretrained(
+        sources[source]).architectures  # fmt: skip
     assert not list(tmp_path.glob("hf.*")), "a staging folder left behind"
 
 
