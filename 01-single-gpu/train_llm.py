@@ -62,8 +62,8 @@ def main():
     if steps_per_epoch == 0:
         raise SystemExit(
             f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} "
-            f"is larger than the dataset ({len(train_data)} training rows of {args.seq_length} tokens); "
-            "pass a smaller --batch-size or --seq-length"
+            f"({global_batch_rows} rows a step) is larger than the dataset ({len(train_data)} training "
+            f"rows of {args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
         )
     total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")

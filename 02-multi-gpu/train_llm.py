@@ -42,6 +42,7 @@ def main():
         raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
     # torchrun starts one process per GPU and tells each who it is.
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    dp_size, dp_rank = world_size, rank  # data parallel: rows of its own (05, 07, 08: shared)
     # Rank 0 speaks for the job; the others only report warnings and errors.
     common.setup_logging(prefix=f"[rank={rank}] ", level=logging.INFO if rank == 0 else logging.WARNING)
     logger.info(args)
@@ -67,16 +68,16 @@ def main():
     # --- 3. Data: tokenized, packed into rows, validation rows held out ---
     with common.rank0_first():
         train_data, val_data = common.load_and_pack(
-            args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=world_size * args.batch_size
+            args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=dp_size * args.batch_size
         )
-    # An optimizer step is --grad-accum-steps micro-batches of --batch-size rows on every rank.
-    global_batch_rows = world_size * args.batch_size * args.grad_accum_steps
+    # An optimizer step is --grad-accum-steps micro-batches of --batch-size rows on each dp rank.
+    global_batch_rows = dp_size * args.batch_size * args.grad_accum_steps
     steps_per_epoch = len(train_data) // global_batch_rows
     if steps_per_epoch == 0:
         raise SystemExit(
-            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} on {world_size} ranks "
-            f"is larger than the dataset ({len(train_data)} training rows of {args.seq_length} tokens); "
-            "pass a smaller --batch-size or --seq-length"
+            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} "
+            f"({global_batch_rows} rows a step) is larger than the dataset ({len(train_data)} training "
+            f"rows of {args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
         )
     total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
@@ -148,12 +149,12 @@ def main():
         model.train()
         stopping = None
         while state["global_step"] < total_steps and not stopping:
-            # Each rank takes every world_size-th row of the same permutation: disjoint parts of one
-            # global batch, the same rows chapter 01 trains on with a world_size times larger batch.
-            sampler = DistributedSampler(train_data, shuffle=True, seed=args.seed, drop_last=True)
+            # Each dp rank takes every dp_size-th row of the same permutation: disjoint parts of one
+            # global batch, the same rows chapter 01 trains on with a dp_size times larger batch.
+            sampler = DistributedSampler(train_data, dp_size, dp_rank, shuffle=True, seed=args.seed, drop_last=True)
             sampler.set_epoch(state["epoch"])
             # On resume, this epoch's already-trained batches are skipped by index, never loaded.
-            indices = list(sampler)[state["epoch_step"] * global_batch_rows // world_size :]
+            indices = list(sampler)[state["epoch_step"] * global_batch_rows // dp_size :]
             dataloader = DataLoader(
                 train_data, args.batch_size, sampler=indices, drop_last=True, pin_memory=device.type == "cuda"
             )
@@ -194,7 +195,7 @@ def main():
                     running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
                 if val_data is not None and not stopping and due(args.eval_every):
-                    val_loss = evaluate(model, val_data, args, device, autocast)
+                    val_loss = evaluate(model, val_data, args, device, autocast, dp_size, dp_rank)
                     common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
@@ -313,13 +314,13 @@ def export_hf(model, config, tokenizer, folder, dtype):
     logger.info(f"Exported the model to {folder} in {dtype}")
 
 
-def evaluate(model, val_data, args, device, autocast) -> float:
+def evaluate(model, val_data, args, device, autocast, dp_size, dp_rank) -> float:
     """The mean loss over the first --eval-batches global batches of the validation rows, without
     gradients. It draws no random numbers, so training after it goes on exactly as without it."""
-    global_batch = dist.get_world_size() * args.batch_size
+    global_batch = dp_size * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
-    # Each rank takes every world_size-th row; the sum of the batches' mean losses is all-reduced.
-    sampler = DistributedSampler(rows, shuffle=False)
+    # Each dp rank takes every dp_size-th row; the sum of the batches' mean losses is all-reduced.
+    sampler = DistributedSampler(rows, dp_size, dp_rank, shuffle=False)
     total = torch.zeros((), device=device)
     model.eval()
     with torch.no_grad(), autocast():

@@ -56,6 +56,8 @@ def main():
         raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
     # torchrun starts one process per GPU and tells each who it is.
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    # Each --tp-size group of consecutive ranks trains on the rows of one dp rank, together.
+    dp_size, dp_rank = world_size // args.tp_size, rank // args.tp_size
     # Rank 0 speaks for the job; the others only report warnings and errors.
     prefix = f"[{socket.gethostname()} rank={rank}] "  # its host: rank order ignores any host list
     common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
@@ -75,14 +77,10 @@ def main():
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
     # Three dimensions; tp (inner) groups --tp-size consecutive ranks: a node's GPUs, whose NVLink
     # carries TP's collectives in every block. Around it, chapter 04's (replicate, shard) FSDP.
-    dp_size = world_size // args.tp_size
     shard_size = args.shard_size or dp_size
     tp.check_layout(args, world_size, shard_size)  # sizes that divide the ranks; tp inside a node
     mesh_shape = (dp_size // shard_size, shard_size, args.tp_size)
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("replicate", "shard", "tp"))
-    # The dp ranks, replicas and shards alike, as one dimension: each trains on its own rows.
-    dp_mesh = mesh["replicate", "shard"]._flatten("dp")
-    dp_rank = dp_mesh.get_local_rank()
 
     # --- 2. Config and tokenizer ---
     # Everything that can fail on bad input happens before anything is written.
@@ -103,14 +101,14 @@ def main():
         train_data, val_data = common.load_and_pack(
             args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=dp_size * args.batch_size
         )
-    # An optimizer step is --grad-accum-steps micro-batches of --batch-size rows per dp replica.
+    # An optimizer step is --grad-accum-steps micro-batches of --batch-size rows on each dp rank.
     global_batch_rows = dp_size * args.batch_size * args.grad_accum_steps
     steps_per_epoch = len(train_data) // global_batch_rows
     if steps_per_epoch == 0:
         raise SystemExit(
-            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} on {dp_size} replicas "
-            f"is larger than the dataset ({len(train_data)} training rows of {args.seq_length} tokens); "
-            "pass a smaller --batch-size or --seq-length"
+            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} "
+            f"({global_batch_rows} rows a step) is larger than the dataset ({len(train_data)} training "
+            f"rows of {args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
         )
     total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
@@ -136,7 +134,9 @@ def main():
         send_full_weights(model, full_model, device)
     del full_model
     num_params = sum(p.numel() for p in model.parameters())
-    logger.info(f"{num_params:,} parameters, split over {args.tp_size} tp ranks and sharded over {shard_size} dp ranks")
+    # The whole model's (a DTensor counts its full size), and how the ranks split it and the rows.
+    split = dict(zip(mesh.mesh_dim_names, mesh.shape))
+    logger.info(f"{num_params:,} parameters on a mesh of {split}, {dp_size} dp ranks")
 
     # --- 5. Optimizer and LR schedule ---
     params = common.adamw_param_groups(model, args.weight_decay)  # fused: one kernel, GPU or CPU
@@ -186,7 +186,8 @@ def main():
         model.train()
         stopping = None
         while state["global_step"] < total_steps and not stopping:
-            # A dp replica takes every dp_size-th row by dp rank, not rank: a tp group shares rows.
+            # Each dp rank takes every dp_size-th row of the same permutation: disjoint parts of one
+            # global batch, the same rows chapter 01 trains on with a dp_size times larger batch.
             sampler = DistributedSampler(train_data, dp_size, dp_rank, shuffle=True, seed=args.seed, drop_last=True)
             sampler.set_epoch(state["epoch"])
             # On resume, this epoch's already-trained batches are skipped by index, never loaded.
@@ -232,7 +233,7 @@ def main():
                     running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
                 if val_data is not None and not stopping and due(args.eval_every):
-                    val_loss = evaluate(model, val_data, args, device, autocast, dp_mesh)
+                    val_loss = evaluate(model, val_data, args, device, autocast, dp_size, dp_rank)
                     common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
@@ -472,13 +473,13 @@ def export_hf(model, config, tokenizer, folder, dtype):
     logger.info(f"Exported the model to {folder} in {dtype}")
 
 
-def evaluate(model, val_data, args, device, autocast, dp_mesh) -> float:
+def evaluate(model, val_data, args, device, autocast, dp_size, dp_rank) -> float:
     """The mean loss over the first --eval-batches global batches of the validation rows, without
     gradients. It draws no random numbers, so training after it goes on exactly as without it."""
-    global_batch = dp_mesh.size() * args.batch_size
+    global_batch = dp_size * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
-    # Each replica takes every dp_size-th row; summed batch mean losses are all-reduced over dp.
-    sampler = DistributedSampler(rows, num_replicas=dp_mesh.size(), rank=dp_mesh.get_local_rank(), shuffle=False)
+    # Each dp rank takes every dp_size-th row; the sum of the batches' mean losses is all-reduced.
+    sampler = DistributedSampler(rows, dp_size, dp_rank, shuffle=False)
     total = torch.zeros((), device=device)
     model.eval()
     with torch.no_grad(), autocast(), loss_parallel():
@@ -486,8 +487,8 @@ def evaluate(model, val_data, args, device, autocast, dp_mesh) -> float:
             logits = model(input_ids=batch["input_ids"].to(device), use_cache=False).logits
             total += next_token_loss(logits, batch["labels"].to(device))
     model.train()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_mesh.get_group())
-    return total.item() / (len(rows) // args.batch_size)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.item() / (len(rows) // args.batch_size * args.tp_size)  # each tp rank adds it
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):

@@ -58,6 +58,8 @@ def main():
         raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
     # torchrun starts one process per GPU and tells each who it is.
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    # A pipeline's --pp-size ranks, a dp_size apart (pp is the outer dimension), share its rows.
+    dp_size, dp_rank = world_size // args.pp_size, rank % (world_size // args.pp_size)
     # Rank 0 speaks for the job; the others only report warnings and errors.
     prefix = f"[{socket.gethostname()} rank={rank}] "  # its host: rank order ignores any host list
     common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
@@ -78,12 +80,10 @@ def main():
     # The outer mesh dimension: --pp-size stages of consecutive ranks (nodes), between which only
     # activations and their gradients pass. FSDP shards each stage over its dp ranks, all by default
     # (--shard-size fewer: HSDP, a replica per group, all-gathers and reduce-scatters inside it).
-    dp_size = world_size // args.pp_size
     shard_size = args.shard_size or dp_size
     pipeline.check_layout(args, world_size, shard_size)
     mesh_shape, mesh_dim_names = (args.pp_size, dp_size // shard_size, shard_size), ("pp", "replicate", "shard")
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=mesh_dim_names)
-    dp_rank = rank % dp_size  # the rows this rank's pipeline trains on (pp is the outer dimension)
 
     # --- 2. Config and tokenizer ---
     # Everything that can fail on bad input happens before anything is written.
@@ -109,9 +109,9 @@ def main():
     steps_per_epoch = len(train_data) // global_batch_rows
     if steps_per_epoch == 0:
         raise SystemExit(
-            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} on {world_size} ranks "
-            f"is larger than the dataset ({len(train_data)} training rows of {args.seq_length} tokens); "
-            "pass a smaller --batch-size or --seq-length"
+            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} "
+            f"({global_batch_rows} rows a step) is larger than the dataset ({len(train_data)} training "
+            f"rows of {args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
         )
     total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
@@ -258,7 +258,7 @@ def main():
                     running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
                 if val_data is not None and not stopping and due(args.eval_every):
-                    val_loss = evaluate(model, schedule, val_data, args, device, autocast)
+                    val_loss = evaluate(model, schedule, val_data, args, device, autocast, dp_size, dp_rank)
                     common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
@@ -447,14 +447,14 @@ def export_hf(model, config, tokenizer, folder, dtype):
     logger.info(f"Exported the model to {folder} in {dtype}")
 
 
-def evaluate(model, schedule, val_data, args, device, autocast) -> float:
+def evaluate(model, schedule, val_data, args, device, autocast, dp_size, dp_rank) -> float:
     """The mean loss over the first --eval-batches global batches of the validation rows, without
     gradients. It draws no random numbers, so training after it goes on exactly as without it."""
-    global_batch = dist.get_world_size() * args.batch_size
+    batch_size = args.pp_size * args.batch_size  # a pipeline's, cut into micro-batches
+    global_batch = dp_size * batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
     # Each pipeline takes every dp_size-th row; the summed micro-batch mean losses are all-reduced.
-    dp_size, batch_size = dist.get_world_size() // args.pp_size, args.pp_size * args.batch_size
-    sampler = DistributedSampler(rows, dp_size, dist.get_rank() % dp_size, shuffle=False)
+    sampler = DistributedSampler(rows, dp_size, dp_rank, shuffle=False)
     total = torch.zeros((), device=device)
     model.eval()
     with torch.no_grad(), autocast():
