@@ -29,9 +29,6 @@ import torch.nn.functional as F
 import tqdm
 import wandb
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
-from torch.distributed.checkpoint._consolidate_hf_safetensors import (
-    consolidate_safetensors_files_on_every_rank,  # merges the ranks' shards into published files
-)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -334,14 +331,9 @@ def load_pretrained(model, folder):
     Hugging Face reader: bf16 on disk copied into fp32 shards) and builds the buffers no file holds
     (rotary frequencies): no rank holds the whole model."""
     common.build_buffers(model)
+    state = common.published_state(model, torchao_fp8.weights_only(get_model_state_dict(model)))
     with common.loading_pretrained(folder):
-        dcp.load(published_state(model), storage_reader=common.weights_reader(folder))
-
-
-def published_state(model):
-    """This rank's shards under the names transformers publishes (a tied weight once, each expert
-    of a mixture its own tensors), HF's weights alone (torchao_fp8.weights_only)."""
-    return common.published_state(model, torchao_fp8.weights_only(get_model_state_dict(model)))
+        dcp.load(state, storage_reader=common.weights_reader(folder))
 
 
 def send_full_weights(model, full_model, device):
@@ -508,16 +500,15 @@ def init_wandb(args, exp_dir, run_id):
 
 def export_hf(model, config, tokenizer, folder, dtype):
     """Writes a folder that `from_pretrained` and vLLM load, in `dtype`: each rank writes its own
-    shards (DCP's Hugging Face writer), then every rank merges some of the files, one tensor at a
-    time; config and tokenizer beside them. No rank holds the whole model."""
-    state = {name: value.to(dtype) for name, value in published_state(model).items()}
+    shards (DCP's Hugging Face writer), then every rank merges some of the published files from
+    them, a tensor at a time (common.exporting); config and tokenizer beside them."""
+    state = common.published_state(model, torchao_fp8.weights_only(get_model_state_dict(model)))
+    state = {name: value.to(dtype) for name, value in state.items()}
     files = common.file_index(state)  # which tensor goes in which of the published files
-    with common.exporting(folder) as tmp:  # published whole, once every rank has written
-        writer = HuggingFaceStorageWriter(str(tmp / "sharded"), files, save_distributed=True)
-        dcp.save(state, storage_writer=writer)
-        consolidate_safetensors_files_on_every_rank(str(tmp / "sharded"), str(tmp), files)
+    with common.exporting(folder, files) as tmp:  # merged, then published whole
+        writer = HuggingFaceStorageWriter(str(tmp / "shards"), files, save_distributed=True)
+        dcp.save(state, storage_writer=writer)  # this rank's shards
         if dist.get_rank() == 0:
-            shutil.rmtree(tmp / "sharded")
             common.published_config(config, dtype).save_pretrained(tmp)
             model.generation_config.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)

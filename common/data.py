@@ -9,6 +9,8 @@ import datasets
 import numpy as np
 import torch
 
+from common.logs import first_line
+
 # The embedded default (tools/make_tiny_default.py): loaded through the same calls as a Hub name.
 DEFAULT_DATASET = str(Path(__file__).parent / "tiny_tasks")
 # The `datasets` builder that reads each kind of file.
@@ -138,8 +140,3 @@ def _pack(data, split, dataset_name, tokenizer, seq_length):
 def _rows(batch: dict) -> dict:
     input_ids = torch.tensor(np.asarray(batch["input_ids"]), dtype=torch.long)
     return {"input_ids": input_ids, "labels": input_ids}  # the model shifts the labels
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"

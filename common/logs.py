@@ -1,4 +1,5 @@
-"""Where the chapters' measurements go: log lines (above the progress bar), metrics.jsonl, wandb."""
+"""What the user reads: log lines (above the progress bar), an error's first line, metrics.jsonl,
+wandb."""
 
 import json
 import logging
@@ -10,6 +11,12 @@ import tqdm
 import wandb
 
 logger = logging.getLogger(__name__)
+
+
+def first_line(err: BaseException) -> str:
+    """An exception as one line of an error message: its type and its first line."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class _TqdmHandler(logging.StreamHandler):

@@ -12,7 +12,8 @@ from transformers import AutoConfig, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-from common.data import first_line, looks_like_path
+from common.data import looks_like_path
+from common.logs import first_line
 
 # The embedded defaults (tools/make_tiny_default.py), loaded through the same calls as a Hub name:
 # a tiny Llama config with its tokenizer, and chapter 09's mixture of experts.

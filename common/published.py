@@ -15,11 +15,14 @@ import torch.distributed as dist
 from huggingface_hub import snapshot_download
 from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
 from torch.distributed.checkpoint import QuantizedHuggingFaceStorageReader
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+    consolidate_safetensors_files_on_every_rank,  # the one merge torch has: private in 2.11-2.13
+)
 from torch.distributed.tensor import DTensor
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 from common.checkpoints import disk_full, publish
-from common.data import first_line
+from common.logs import first_line
 
 # What a start reads of a Hub model: the weights as safetensors, the configs, the tokenizer's files.
 PUBLISHED_FILES = ["*.safetensors", "*.json", "*.model", "*.txt", "*.tiktoken"]
@@ -170,9 +173,11 @@ def check_export_folder(folder: str, config) -> None:
 
 
 @contextmanager
-def exporting(folder: str):
-    """Every rank writes into `folder`.tmp; once all have, rank 0 renames it `folder` (an earlier
-    export replaced). A rank killed meanwhile leaves a .tmp folder, never one that looks complete."""
+def exporting(folder: str, files: dict[str, int]):
+    """The folder an export is written in, `folder`.tmp: each rank writes its shards in its
+    "shards" folder; then every rank merges some of the published files from them (torch's
+    consolidation: file i on rank i), and rank 0 renames the folder `folder` (an earlier export
+    replaced). A rank killed meanwhile leaves a .tmp folder, never one that looks complete."""
     final = Path(folder).absolute()
     tmp = final.with_name(final.name + ".tmp")
     if dist.get_rank() == 0:
@@ -180,6 +185,7 @@ def exporting(folder: str):
     dist.barrier()
     try:
         yield tmp
+        consolidate_safetensors_files_on_every_rank(str(tmp / "shards"), str(tmp), files)
     except (OSError, RuntimeError, CheckpointException) as err:
         if not disk_full(err, tmp.parent):
             raise
@@ -191,6 +197,7 @@ def exporting(folder: str):
         ) from None
     dist.barrier()
     if dist.get_rank() == 0:
+        shutil.rmtree(tmp / "shards")
         publish(tmp, final)
     dist.barrier()
 

@@ -272,7 +272,7 @@ def test_async_checkpoints_hold_their_steps_weights_and_are_copied_and_published
     from torch.distributed.checkpoint._state_dict_stager import StateDictStager
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    import common.checkpoints
+    import common.async_checkpoints
     from common import AsyncCheckpoints, checkpoint_dir
 
     copies, copied_at = [], []
@@ -287,13 +287,13 @@ def test_async_checkpoints_hold_their_steps_weights_and_are_copied_and_published
 
     monkeypatch.setattr(StateDictStager, "_stage_untyped_storage", slow_stage)
     publishers = []
-    publish = common.checkpoints.publish_checkpoint
+    publish = common.async_checkpoints.publish_checkpoint
 
     def publish_in_which_thread(*args):
         publishers.append(threading.current_thread())
         publish(*args)
 
-    monkeypatch.setattr(common.checkpoints, "publish_checkpoint", publish_in_which_thread)
+    monkeypatch.setattr(common.async_checkpoints, "publish_checkpoint", publish_in_which_thread)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -337,7 +337,7 @@ def test_async_checkpoints_hold_their_steps_weights_and_are_copied_and_published
         def full_disk(*args):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(common.checkpoints, "publish_checkpoint", full_disk)
+        monkeypatch.setattr(common.async_checkpoints, "publish_checkpoint", full_disk)
         saves = AsyncCheckpoints(1, torch.device("cpu"), optimizer)
         save(4)
         with pytest.raises(SystemExit, match="no space left .* saving step 4; the checkpoint of step 3 is intact"):
