@@ -1,7 +1,8 @@
 """The checks and the bookkeeping around expert parallelism, beside the chapter: which layers are a
-mixture of experts, what --ep-size the ranks and the experts can take, the gradient norm over two
-meshes, and the experts' load. The dispatch itself, the experts' mesh and their sharding are the
-chapter's (train_llm.py).
+mixture of experts and what --ep-size, the model and the balancing flags can take (refused in one
+line before anything is built), the gradient norm over two meshes, the experts' load, and the
+routing biases of DeepSeek-V3's balancing. The dispatch itself, the experts' mesh and their sharding
+are the chapter's (train_llm.py).
 
 The experts are Hugging Face's own, through the contract every MoE family follows in transformers 5
 (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, gpt-oss, GLM-4.5, ...): a module called as
@@ -14,12 +15,19 @@ shard it themselves), and is missing from the 5.x versions pyproject.toml admits
 the same thing, in its own 40 lines, on PyTorch's collectives.
 """
 
+import inspect
 import logging
 import math
+import re
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import AutoModelForCausalLM
+
+logger = logging.getLogger(__name__)
 
 # The norm of the experts' gradients, on their 2-D (efsdp, ep) mesh, is two all-reduces of one
 # number each; DTensor warns at every step that one would do (on a flattened mesh). Not worth a
@@ -29,6 +37,13 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 # grouped_mm on the CPU reads its operands in 16-byte steps: every width of an expert's weights must
 # be a multiple of 16 bytes (4 fp32 numbers). GPUs ask the same of bf16 (8 numbers).
 GROUPED_MM_ALIGNMENT = 16
+# DeepSeek-V3's bias update speed (its paper's gamma, torchtitan's load_balance_coeff): the default
+# --bias-update-rate of the families whose routers carry the bias.
+BIAS_UPDATE_RATE = 1e-3
+# transformers' names for the routing bias: DeepSeek-V3's and its kin's; LFM2-MoE's and AFMoE's.
+ROUTING_BIASES = ("e_score_correction_bias", "expert_bias")
+# The balancing loss's weight above which it outweighs the model's own loss (published: 0.001-0.02).
+MAX_AUX_LOSS_COEF = 1.0
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
@@ -41,41 +56,59 @@ def check_layout(args, world_size: int, shard_size: int) -> None:
     """Refuses an --ep-size that the ranks cannot take (the experts' count: with the model)."""
     if shard_size % args.ep_size:
         which = "--shard-size" if shard_size != world_size else "all ranks"
+        divisor = max(d for d in range(1, args.ep_size) if shard_size % d == 0)
         raise SystemExit(
             f"error: --ep-size {args.ep_size} must divide the ranks that shard the model "
-            f"({shard_size}: {which}): pass a divisor, such as {math.gcd(shard_size, args.ep_size)}"
+            f"({shard_size}: {which}): pass a divisor, such as {divisor}"
         )
 
 
+def check_config(config, args, dtype: torch.dtype) -> None:
+    """What expert parallelism and the balancing flags cannot take, refused in one line before
+    anything is built or loaded: the model's structure read from the config, on the meta device."""
+    with torch.device("meta"):
+        check_model(AutoModelForCausalLM.from_config(config), args, dtype)
+
+
 def check_model(model: nn.Module, args, dtype: torch.dtype) -> list[nn.Module]:
-    """The model's experts modules, or one line where expert parallelism cannot take them."""
-    flag = f"--model-name {model.config.name_or_path!r}"
-    names = ("num_experts", "num_local_experts", "n_routed_experts")
-    counts = [getattr(model.config, name, None) for name in names]
-    if not any(isinstance(count, int) and count > 1 for count in counts):
+    """The model's experts modules, or one line naming what expert parallelism cannot take."""
+    flag = f"--model-name {model.config.name_or_path!r} ({model.config.model_type})"
+    layers = [m for name, m in model.named_modules() if name.rpartition(".")[2] == "experts"]
+    classes = [type(m).__name__ for m in model.modules()]
+    moe = [name for name in classes if re.search("(moe|moeblock|experts)$", name, re.IGNORECASE)]
+    if not layers and moe:  # a mixture of experts of its own kind (Doge's: experts as embeddings)
+        raise SystemExit(
+            f"error: {flag}: its mixture of experts ({moe[0]}) holds no `experts` module, as "
+            "transformers 5's stacked experts are held: this chapter cannot split it; train it "
+            "with chapter 04"
+        )
+    if not layers:
         raise SystemExit(
             f"error: {flag} is a dense model (no layer of routed experts): expert parallelism "
             "needs a mixture of experts (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3...); train a dense "
             "model with chapter 04"
         )
-    layers = experts_modules(model)
-    def stacked(module):  # every weight its own, each of shape (experts, ...)
-        weights = list(module.parameters(recurse=False))
-        nested = any(list(child.parameters()) for child in module.children())
-        return not nested and all(p.ndim >= 2 and p.shape[0] == module.num_experts for p in weights)
-
-    odd = [module for module in layers if not stacked(module)]
-    if not layers or odd:
-        raise SystemExit(
-            f"error: {flag}: its experts are not transformers 5's stacked experts (every weight "
-            "of shape (experts, ...) on one `experts` module, called with the router's top-k "
-            "choices): this chapter cannot place them; train it with chapter 04"
-        )
     for module in layers:
-        if module.num_experts % args.ep_size:
+        gap = unstacked(module) or uncalled(module)
+        if gap:
+            name = type(module).__name__
+            raise SystemExit(f"error: {flag}: its experts ({name}) {gap}; train it with chapter 04")
+    for module in layers:
+        experts = module.num_experts
+        if experts == 1:
             raise SystemExit(
-                f"error: --ep-size {args.ep_size} must divide the model's {module.num_experts} "
-                f"experts per layer: pass a divisor of {module.num_experts}"
+                f"error: {flag} has one expert per layer, none to split: train it with chapter 04"
+            )
+        top_k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
+        if isinstance(top_k, int) and not 1 <= top_k <= experts:
+            raise SystemExit(
+                f"error: {flag}: its config's num_experts_per_tok ({top_k}) must be from 1 to its "
+                f"{experts} experts per layer: fix it in the model's config.json"
+            )
+        if experts % args.ep_size:
+            raise SystemExit(
+                f"error: --ep-size {args.ep_size} must divide the model's {experts} experts per "
+                f"layer: pass a divisor of both, such as {math.gcd(experts, args.ep_size)}"
             )
         step = GROUPED_MM_ALIGNMENT // dtype.itemsize
         widths = {width for param in module.parameters(recurse=False) for width in param.shape[1:]}
@@ -86,7 +119,70 @@ def check_model(model: nn.Module, args, dtype: torch.dtype) -> list[nn.Module]:
                 f"{step} ({GROUPED_MM_ALIGNMENT} bytes in {dtype}), which grouped_mm needs: use a "
                 "model whose hidden and expert sizes are"
             )
+    check_balancing(model, args, flag)
     return layers
+
+
+def unstacked(module: nn.Module) -> str | None:
+    """Why the module's experts are not transformers 5's stacked experts, or None: each weight its
+    own (no nested modules), of shape (experts, ...)."""
+    experts, weights = getattr(module, "num_experts", None), list(module.named_parameters())
+    nested = [name for name, _ in weights if "." in name]
+    odd = [f"{name} {tuple(p.shape)}" for name, p in weights if p.ndim < 2 or p.shape[0] != experts]
+    if not nested and isinstance(experts, int) and not odd:
+        return None
+    why = ", ".join([f"num_experts {experts}", *odd[:1]])
+    if nested:
+        why = f"weights in nested modules ({nested[0]}...)"
+    return (
+        "are not transformers 5's stacked experts, each weight of shape (experts, ...) on one "
+        f"module ({why})"
+    )
+
+
+def uncalled(module: nn.Module) -> str | None:
+    """Why the module's experts are not called with the router's choices as transformers 5's are,
+    or None."""
+    called = inspect.signature(module.forward).parameters.values()
+    if sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in called) < 3:
+        signature = f"forward({', '.join(p.name for p in called)})"
+        return (
+            f"are called with the tokens alone, {signature}, not with the router's choices "
+            "(transformers 5's forward(hidden_states, top_k_index, top_k_weights)) that this "
+            "chapter sends each token by"
+        )
+    return None
+
+
+def check_balancing(model: nn.Module, args, flag: str) -> None:
+    """Refuses a balancing flag that the family cannot take: a loss its forward does not compute, a
+    loss weighing more than the model's own, routing biases its routers do not carry."""
+    coef, config = args.aux_loss_coef, model.config.get_text_config()
+    if coef and not hasattr(config, "router_aux_loss_coef"):
+        raise SystemExit(
+            f"error: --aux-loss-coef {coef}: {flag} computes no balancing loss (its config has no "
+            "router_aux_loss_coef); pass 0, or balance its routing biases with --bias-update-rate"
+        )
+    recorded = [getattr(m, "_can_record_outputs", None) or {} for m in model.modules()]
+    on = getattr(config, "router_aux_loss_coef", 0) if coef is None else coef
+    if on and not any("router_logits" in names for names in recorded):  # GraniteMoE in 5.17
+        raise SystemExit(
+            f"error: --aux-loss-coef {on} (default: the config's): {flag}'s forward collects no "
+            f"router logits in transformers {transformers.__version__}, and so cannot compute its "
+            "balancing loss: pass --aux-loss-coef 0 (chapter 04's way), or a newer transformers"
+        )
+    if coef is not None and coef > MAX_AUX_LOSS_COEF:
+        raise SystemExit(
+            f"error: --aux-loss-coef {coef} would weigh the routers' balancing loss over the "
+            "model's own (published models weigh it 0.001 to 0.02), and overflow its gradients: "
+            f"pass at most {MAX_AUX_LOSS_COEF}"
+        )
+    if args.bias_update_rate and not any(routing_biases(model, experts_modules(model))):
+        raise SystemExit(
+            f"error: --bias-update-rate {args.bias_update_rate}: {flag}'s routers carry no "
+            f"routing bias (DeepSeek-V3's {ROUTING_BIASES[0]}) to move; pass 0, or balance it with "
+            "--aux-loss-coef"
+        )
 
 
 def set_balancing_loss(config, args) -> None:
@@ -96,9 +192,14 @@ def set_balancing_loss(config, args) -> None:
     Mixtral's) do not, as HF's Trainer trains them; chapter 04 follows the config. Here it is on: a
     router left alone may send most tokens to a few experts, and under EP their ranks then set
     everyone's pace. Its logits are collected by hooks that dynamo cannot trace inside a block,
-    which chapter 04 compiles whole and this chapter does not."""
-    coef = config.router_aux_loss_coef if args.aux_loss_coef is None else args.aux_loss_coef
-    config.output_router_logits, config.router_aux_loss_coef = coef > 0, coef
+    which chapter 04 compiles whole and this chapter does not. A family whose forward computes no
+    such loss (DeepSeek-V3: no router_aux_loss_coef) keeps it off (check_balancing)."""
+    config = config.get_text_config()
+    coef = args.aux_loss_coef
+    if coef is None:
+        coef = getattr(config, "router_aux_loss_coef", 0.0)
+    if hasattr(config, "router_aux_loss_coef"):
+        config.output_router_logits, config.router_aux_loss_coef = coef > 0, coef
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
@@ -117,14 +218,78 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     return total_norm
 
 
+def routing_biases(model: nn.Module, layers: list[nn.Module]) -> list[tuple | None]:
+    """Where each experts module's routing bias lives, as (owner, name), or None: the bias that
+    DeepSeek-V3's routers (and GLM-4.5's, dots1's, ERNIE 4.5's, MiniMax-M2's...) add to their
+    scores to choose the top k experts, not to weigh them; beside the experts, in the router or the
+    MoE block, a buffer or a frozen parameter. Found by name: FSDP and the chapter replace it."""
+    parents = {module: name.rpartition(".")[0] for name, module in model.named_modules()}
+    found = []
+    for module in layers:
+        block = model.get_submodule(parents[module])  # the experts' parent: the MoE block
+        tensors = [name for name, _ in [*block.named_buffers(), *block.named_parameters()]]
+        names = [n for n in tensors if n.endswith(ROUTING_BIASES) and not n.startswith("experts.")]
+        owner, _, attribute = names[0].rpartition(".") if names else ("", "", None)
+        found.append((block.get_submodule(owner), attribute) if names else None)
+    return found
+
+
+def track_load(model: nn.Module, layers: list[nn.Module], rate: float | None) -> None:
+    """Each experts module's load: a forward pre-hook keeps the tokens its router sent to each
+    expert in its last call, on this rank (`module.load`); train_step sums them over micro-batches,
+    before backward (activation checkpointing's recompute calls the experts again), and passes the
+    step's to update_load. And DeepSeek-V3's balancing where the routers carry its routing biases
+    (routing_biases): each moved by `rate` per step (None: BIAS_UPDATE_RATE; 0: frozen)."""
+
+    def count(module, inputs):
+        top_k_index = inputs[1].flatten()
+        module.load = top_k_index.new_zeros(module.num_experts).scatter_add_(
+            0, top_k_index, torch.ones_like(top_k_index)
+        )
+
+    rate = BIAS_UPDATE_RATE if rate is None else rate
+    for module, bias in zip(layers, routing_biases(model, layers)):
+        module.register_forward_pre_hook(torch.compiler.disable(count))
+        module.load_since_log = 0
+        module.routing_bias, module.bias_update_rate = bias if rate else None, rate
+    if any(module.routing_bias for module in layers):
+        logger.info(f"The routers' routing biases moved toward even loads by {rate} per step")
+
+
+def last_load(layers: list[nn.Module]) -> torch.Tensor:
+    """(layers, experts): the tokens each router sent to each expert in its last call, here."""
+    return torch.stack([module.load for module in layers])
+
+
+def update_load(layers: list[nn.Module], step_load: torch.Tensor) -> None:
+    """After each optimizer step: the step's load summed over all ranks (each counted the tokens it
+    sent), kept for the log line; and DeepSeek-V3's auxiliary-loss-free balancing: each layer's
+    routing bias moved toward even loads, up by the rate for the experts below the mean load, down
+    for those above (torchtitan's update: the sign of each one's deficit, centred). Every rank moves
+    it the same, from the same counts."""
+    step_load = step_load.float()
+    dist.all_reduce(step_load)
+    for module, load in zip(layers, step_load):
+        module.load_since_log = module.load_since_log + load
+        if module.routing_bias:
+            owner, name = module.routing_bias
+            bias = getattr(owner, name)
+            delta = module.bias_update_rate * torch.sign(load.mean() - load)
+            delta = (delta - delta.mean()).view(bias.shape).to(bias.dtype)
+            if isinstance(bias, DTensor):  # a frozen parameter that FSDP shards: this rank's part
+                mesh, placements = bias.device_mesh, bias.placements
+                delta = distribute_tensor(delta, mesh, placements, src_data_rank=None)
+            with torch.no_grad():
+                bias.add_(delta)
+
+
 def load_metrics(layers: list[nn.Module]) -> dict:
     """Each layer's tokens per expert since the last log, over all ranks: the busiest expert against
     the mean, per layer and the worst. An expert twice as busy as the mean takes twice as long, and
-    all ranks wait for it; counted by the dispatch (`experts.load`), reset here."""
-    counts = torch.stack([module.load for module in layers]).float()  # (layers, experts)
-    dist.all_reduce(counts)  # each rank counted the tokens it sent
+    all ranks wait for it; summed by update_load, reset here."""
+    counts = torch.stack([module.load_since_log for module in layers])  # (layers, experts)
     ratios = (counts.max(dim=1).values / counts.mean(dim=1)).tolist()
     for module in layers:
-        module.load = 0
+        module.load_since_log = 0
     per_layer = {f"experts/load_layer_{i}": ratio for i, ratio in enumerate(ratios)}
     return {"experts/load": max(ratios), **per_layer}

@@ -28,6 +28,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed.checkpoint as dcp
 import tqdm
 import wandb
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -54,6 +55,7 @@ def main():
         raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
     # torchrun starts one process per GPU and tells each who it is.
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    dp_size, dp_rank = world_size, rank  # data parallel: rows of its own (05, 07, 08: shared)
     # Rank 0 speaks for the job; the others only report warnings and errors.
     prefix = f"[{socket.gethostname()} rank={rank}] "  # its host: rank order ignores any host list
     common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
@@ -91,33 +93,37 @@ def main():
     common.check_save_dir(args.save_dir)
     with common.rank0_first(local=args.node_local_cache):
         config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
+        # --from-pretrained: the published safetensors, downloaded once per node (or a folder's).
+        weights = common.pretrained_weights(args.model_name, config) if args.from_pretrained else None
+    experts.check_config(config, args, dtype)  # what EP cannot take, in one line, before any build
     experts.set_balancing_loss(config, args)  # the routers' load-balancing loss, in the loss
+    if args.export_hf:  # each rank writes its part there: one folder, seen by all
+        common.check_export_folder(args.export_hf, config)
     # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
     # --- 3. Data: tokenized, packed into rows, validation rows held out ---
     with common.rank0_first(local=args.node_local_cache):
         train_data, val_data = common.load_and_pack(
-            args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=world_size * args.batch_size
+            args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=dp_size * args.batch_size
         )
-    # An optimizer step is --grad-accum-steps micro-batches of --batch-size rows on every rank.
-    global_batch_rows = world_size * args.batch_size * args.grad_accum_steps
+    # An optimizer step is --grad-accum-steps micro-batches of --batch-size rows on each dp rank.
+    global_batch_rows = dp_size * args.batch_size * args.grad_accum_steps
     steps_per_epoch = len(train_data) // global_batch_rows
     if steps_per_epoch == 0:
         raise SystemExit(
-            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} on {world_size} ranks "
-            f"is larger than the dataset ({len(train_data)} training rows of {args.seq_length} tokens); "
-            "pass a smaller --batch-size or --seq-length"
+            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} "
+            f"({global_batch_rows} rows a step) is larger than the dataset ({len(train_data)} training "
+            f"rows of {args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
         )
     total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # --- 4. Model ---
-    # Built on the CPU from the seed: every chapter starts from the same weights.
-    # Only rank 0 holds it whole; others wait on the job's store (rank0_first) through any download.
+    # Seeded weights are built whole on rank 0's CPU and sent: every chapter starts from the same
+    # ones. Published weights are read by each rank, its own slices only (load_pretrained).
     torch.manual_seed(args.seed)
-    with common.rank0_first():
-        full_model = build_model(args, config) if rank == 0 else None
+    full_model = build_model(args, config) if rank == 0 and not weights else None
     # Each rank builds the model on the meta device (shapes, no memory), allocating only its shards.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -126,14 +132,17 @@ def main():
         common.checkpoint_blocks(common.transformer_blocks(model), args.activation_checkpointing)
     # Found once, now: fully_shard changes each block's class, and then the names would not match.
     blocks = common.transformer_blocks(model)
-    moe_layers = experts.check_model(model, args, dtype)
-    parallelize(model, blocks, mesh, expert_mesh, args, dtype, use_compile)
+    moe_layers = parallelize(model, blocks, mesh, expert_mesh, args, dtype, use_compile)
     model.to_empty(device="cpu" if args.cpu_offload else device)
-    send_full_weights(model, full_model, device)
+    if weights:
+        load_pretrained(model, weights)
+    else:
+        send_full_weights(model, full_model, device)
     del full_model
     num_params = sum(p.numel() for p in model.parameters())
-    # The whole model's: a DTensor counts its full size.
-    logger.info(f"{num_params:,} parameters, sharded over {shard_size} ranks")
+    # The whole model's (a DTensor counts its full size), and how the ranks split it and the rows.
+    split = dict(zip(mesh.mesh_dim_names, mesh.shape))
+    logger.info(f"{num_params:,} parameters on a mesh of {split}, {dp_size} dp ranks")
     logger.info(f"{len(moe_layers)} layers of experts, each on 1 of {args.ep_size} ranks")
 
     # --- 5. Optimizer and LR schedule ---
@@ -184,12 +193,12 @@ def main():
         model.train()
         stopping = None
         while state["global_step"] < total_steps and not stopping:
-            # Each rank takes every world_size-th row of the same permutation: disjoint parts of one
-            # global batch, the same rows chapter 01 trains on with a world_size times larger batch.
-            sampler = DistributedSampler(train_data, shuffle=True, seed=args.seed, drop_last=True)
+            # Each dp rank takes every dp_size-th row of the same permutation: disjoint parts of one
+            # global batch, the same rows chapter 01 trains on with a dp_size times larger batch.
+            sampler = DistributedSampler(train_data, dp_size, dp_rank, shuffle=True, seed=args.seed, drop_last=True)
             sampler.set_epoch(state["epoch"])
             # On resume, this epoch's already-trained batches are skipped by index, never loaded.
-            indices = list(sampler)[state["epoch_step"] * global_batch_rows // world_size :]
+            indices = list(sampler)[state["epoch_step"] * global_batch_rows // dp_size :]
             dataloader = DataLoader(
                 train_data, args.batch_size, sampler=indices, drop_last=True, pin_memory=device.type == "cuda"
             )
@@ -235,7 +244,7 @@ def main():
                     running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
                 if val_data is not None and not stopping and due(args.eval_every):
-                    val_loss = evaluate(model, val_data, args, device, autocast)
+                    val_loss = evaluate(model, val_data, args, device, autocast, dp_size, dp_rank)
                     common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
@@ -271,7 +280,7 @@ def main():
 
 def train_step(model, moe_layers, batches, optimizer, lr_scheduler, args, timers, autocast, device):
     """One optimizer step on --grad-accum-steps micro-batches: loss and gradient norm, on device."""
-    step_loss = 0.0
+    step_loss, step_load = 0.0, 0
     for micro_step in range(args.grad_accum_steps):
         # FSDP reduce-scatters micro-step gradients into the sharded sum: DDP's no-sync would keep a
         # full fp32 gradient per rank (30 GiB at 8B). Only HSDP's all-reduce awaits the last one.
@@ -283,6 +292,8 @@ def train_step(model, moe_layers, batches, optimizer, lr_scheduler, args, timers
             # No KV cache: only generation needs it; its per-layer state makes compile recompile.
             # Divided by their count, micro-batch losses sum to gradients of the step's mean loss.
             loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
+        # Each layer's tokens per expert, read before backward (checkpointing recomputes them).
+        step_load += experts.last_load(moe_layers)
 
         with timers("backward"):
             loss.backward()
@@ -299,19 +310,25 @@ def train_step(model, moe_layers, batches, optimizer, lr_scheduler, args, timers
             param.grad.div_(args.ep_size)
         grad_norm = experts.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
+        experts.update_load(moe_layers, step_load)  # over all ranks; routing biases to even loads
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm
 
 
 def build_model(args, config):
-    """The model in fp32 on CPU: seeded random weights, or --from-pretrained the published ones."""
-    if not args.from_pretrained:
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    try:
-        return AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
-    except OSError as err:
-        raise SystemExit(f"error: --from-pretrained {args.model_name!r}: {str(err).splitlines()[0]}") from err
+    """The model in fp32 on CPU, its seeded random weights."""
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def load_pretrained(model, folder):
+    """--from-pretrained: each rank reads only its own slices of the published safetensors (DCP's
+    Hugging Face reader: bf16 on disk copied into fp32 shards) and builds the buffers no file holds
+    (rotary frequencies): no rank holds the whole model."""
+    common.build_buffers(model)
+    state = common.published_state(model, get_model_state_dict(model))
+    with common.loading_pretrained(folder):
+        dcp.load(state, storage_reader=common.weights_reader(folder))
 
 
 def send_full_weights(model, full_model, device):
@@ -330,8 +347,10 @@ def send_full_weights(model, full_model, device):
 def parallelize(model, blocks, mesh, expert_mesh, args, dtype, use_compile):
     """What the chapter does to the model, in the required order (torchtitan's parallelize_llama
     is the model; main() has switched on activation checkpointing): experts on their ranks, compile,
-    then FSDP."""
-    apply_expert_parallel(model, expert_mesh["ep"])
+    then FSDP. Returns the experts modules."""
+    moe_layers = experts.experts_modules(model)
+    apply_expert_parallel(moe_layers, expert_mesh["ep"])
+    experts.track_load(model, moe_layers, args.bias_update_rate)  # and the routing biases to move
     if use_compile:
         # Each block on its own, FSDP's hooks between blocks outside the compiled code; not whole
         # (fullgraph): the dispatch reads its split sizes on the host and runs eager, between the
@@ -344,24 +363,24 @@ def parallelize(model, blocks, mesh, expert_mesh, args, dtype, use_compile):
     fsdp_mesh = mesh if mesh["replicate"].size() > 1 else mesh["shard"]
     hsdp = mesh["replicate"].size() > 1
     expert_fsdp_mesh = expert_mesh["replicate", "efsdp"] if hsdp else expert_mesh["efsdp"]
-    apply_fsdp(model, blocks, fsdp_mesh, expert_fsdp_mesh, mp_policy, offload_policy)
+    apply_fsdp(model, blocks, moe_layers, fsdp_mesh, expert_fsdp_mesh, mp_policy, offload_policy)
+    return moe_layers
 
 
-def apply_expert_parallel(model, ep_mesh):
+def apply_expert_parallel(moe_layers, ep_mesh):
     """Each layer's experts split over the ep ranks: every weight's dim 0 (experts) a DTensor
     sharded on the ep mesh, so that checkpoints keep chapter 04's names and full shapes; each rank
     runs its own E / ep experts, reached through dispatch()."""
-    for layer in experts.experts_modules(model):
-        for name, param in layer.named_parameters(recurse=False):
+    group = ep_mesh.get_group()
+    for experts_module in moe_layers:
+        for name, param in experts_module.named_parameters(recurse=False):
             sharded = distribute_tensor(param, ep_mesh, [Shard(0)], src_data_rank=None)
-            layer.register_parameter(name, nn.Parameter(sharded))
-        layer.num_experts //= ep_mesh.size()  # HF's experts forward counts its own: the local ones
-        layer.load = 0  # tokens per expert since the last log (experts.load_metrics)
-        forward = functools.partial(dispatch, layer, layer.forward, ep_mesh.get_group())
-        layer.forward = torch.compiler.disable(forward)  # sizes known at run time: eager
+            experts_module.register_parameter(name, nn.Parameter(sharded))
+        forward = functools.partial(dispatch, experts_module, experts_module.forward, group)
+        experts_module.forward = torch.compiler.disable(forward)  # sizes known at run time: eager
 
 
-def dispatch(layer, local_forward, group, hidden_states, top_k_index, top_k_weights):
+def dispatch(experts_module, local_forward, group, hidden_states, top_k_index, top_k_weights):
     """The experts' forward under EP, as torchtitan's token dispatcher and transformers' AllToAllEP
     do it: each token's top-k copies go to the ranks holding their experts, are computed there and
     come back, weighed by the router's gates. Autograd's all-to-all sends their gradients back over
@@ -370,10 +389,8 @@ def dispatch(layer, local_forward, group, hidden_states, top_k_index, top_k_weig
     # 1. The copies sorted by expert: a rank's experts are consecutive, so sorted by rank too.
     expert_ids = top_k_index.flatten()
     order = expert_ids.argsort(stable=True)
-    send_counts = expert_ids.new_zeros(layer.num_experts * ep_size)
+    send_counts = expert_ids.new_zeros(experts_module.num_experts)
     send_counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))  # copies per expert
-    if layer.training and torch._C._current_graph_task_id() == -1:  # not checkpointing's recompute
-        layer.load = layer.load + send_counts
     # 2. The counts exchanged: how many copies each rank receives for each of its experts. The split
     # sizes are read on the host (a GPU sync per layer, as in every EP with uneven splits).
     recv_counts = torch.empty_like(send_counts)
@@ -381,37 +398,43 @@ def dispatch(layer, local_forward, group, hidden_states, top_k_index, top_k_weig
     send_splits = send_counts.view(ep_size, -1).sum(1).tolist()
     recv_splits = recv_counts.view(ep_size, -1).sum(1).tolist()
     # 3. The copies to their experts' ranks, grouped by sender, then by expert.
-    copies = hidden_states[order // top_k]
-    received = funcol.all_to_all_single_autograd(copies, recv_splits, send_splits, group)
-    local_ids = torch.arange(layer.num_experts, device=received.device).repeat(ep_size)
+    sent = hidden_states[order // top_k]
+    received = funcol.all_to_all_single_autograd(sent, recv_splits, send_splits, group)
+    num_local = experts_module.num_experts // ep_size
+    local_ids = torch.arange(num_local, device=received.device).repeat(ep_size)
     local_ids = local_ids.repeat_interleave(recv_counts, output_size=sum(recv_splits))
     # 4. The local experts, each copy on one expert at weight 1 (the gates are applied back home).
     # A rank that received nothing runs them on one zero row, sliced away: grouped_mm's backward
-    # refuses 0 rows, and its experts then have gradients (zeros) for FSDP to reduce-scatter.
+    # refuses 0 rows, and its experts then have gradients (zeros) for FSDP to reduce-scatter. The
+    # row is the sum of the none received: backward still reaches this rank's all-to-all, which
+    # every rank of the group must join.
     rows, ids = received, local_ids
     if not len(local_ids):
         rows, ids = received.sum(0, keepdim=True), local_ids.new_zeros(1)
-    with local_weights(layer):
+    with local_experts(experts_module, num_local):
         computed = local_forward(rows, ids[:, None], rows.new_ones(len(ids), 1))
     computed = computed[: len(local_ids)]
     # 5. Back to the senders, in the copies' first order, weighed by the gates and summed per token.
     returned = funcol.all_to_all_single_autograd(computed, send_splits, recv_splits, group)
-    copies = returned[order.argsort()].view(*top_k_weights.shape, -1)
-    return (copies * top_k_weights[..., None]).sum(1).to(hidden_states.dtype)
+    outputs = returned[order.argsort()].view(*top_k_weights.shape, -1)
+    return (outputs * top_k_weights[..., None]).sum(1).to(hidden_states.dtype)
 
 
 @contextlib.contextmanager
-def local_weights(layer):
-    """The layer's weights as this rank's experts (the DTensors' local shards) in HF's forward."""
-    sharded = dict(layer.named_parameters(recurse=False))
-    layer._parameters.update({name: param.to_local() for name, param in sharded.items()})
+def local_experts(experts_module, num_local):
+    """The module as this rank's experts in HF's forward: its DTensors' local shards, and count."""
+    sharded = dict(experts_module.named_parameters(recurse=False))
+    num_experts = experts_module.num_experts
+    experts_module._parameters.update({name: param.to_local() for name, param in sharded.items()})
+    experts_module.num_experts = num_local
     try:
         yield
     finally:
-        layer._parameters.update(sharded)
+        experts_module._parameters.update(sharded)
+        experts_module.num_experts = num_experts
 
 
-def apply_fsdp(model, blocks, mesh, expert_mesh, mp_policy, offload_policy):
+def apply_fsdp(model, blocks, moe_layers, mesh, expert_mesh, mp_policy, offload_policy):
     """Shards units: input embeddings, each block, output head; then the root (the rest). A unit's
     weights all-gathered only for forward and backward, gradients reduce-scattered when ready, while
     the next unit computes. The root's stay gathered all step: the largest, embeddings and head, are units (untied)."""
@@ -419,9 +442,9 @@ def apply_fsdp(model, blocks, mesh, expert_mesh, mp_policy, offload_policy):
     tied = model.config.tie_word_embeddings
     if not tied:
         shard(model.get_input_embeddings())
+    for experts_module in moe_layers:  # over efsdp, before their blocks shard the rest over all
+        shard(experts_module, mesh=expert_mesh)
     for block in blocks:
-        for layer in experts.experts_modules(block):  # over efsdp; the block's other weights: all
-            shard(layer, mesh=expert_mesh)
         shard(block)
     if not tied:
         # Backward needs the head right after forward: kept gathered in between, not gathered twice.
@@ -465,26 +488,28 @@ def init_wandb(args, exp_dir, run_id):
 
 
 def export_hf(model, config, tokenizer, folder, dtype):
-    """Writes a folder that `from_pretrained` loads: the weights in `dtype`, and the tokenizer."""
-    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:  # full weights were gathered onto rank 0's CPU: it alone writes them
-        return
-    with torch.device("meta"):
-        export_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    export_model.load_state_dict({name: value.to(dtype) for name, value in full_state.items()}, assign=True)
-    export_model.tie_weights()  # converted one by one, tied weights became two tensors again
-    export_model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    """Writes a folder that `from_pretrained` and vLLM load, in `dtype`: each rank writes its own
+    shards (DCP's Hugging Face writer), then every rank merges some of the published files from
+    them, a tensor at a time (common.exporting); config and tokenizer beside them."""
+    state = common.published_state(model, get_model_state_dict(model), dtype)  # names and dtypes
+    files = common.file_index(state)  # which tensor goes in which of the published files
+    with common.exporting(folder, files) as tmp:  # merged, then published whole
+        writer = HuggingFaceStorageWriter(str(tmp / "shards"), files, save_distributed=True)
+        dcp.save(state, storage_writer=writer)  # this rank's shards
+        if dist.get_rank() == 0:
+            common.published_config(config, dtype).save_pretrained(tmp)
+            model.generation_config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     logger.info(f"Exported the model to {folder} in {dtype}")
 
 
-def evaluate(model, val_data, args, device, autocast) -> float:
+def evaluate(model, val_data, args, device, autocast, dp_size, dp_rank) -> float:
     """The mean loss over the first --eval-batches global batches of the validation rows, without
     gradients. It draws no random numbers, so training after it goes on exactly as without it."""
-    global_batch = dist.get_world_size() * args.batch_size
+    global_batch = dp_size * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
-    # Each rank takes every world_size-th row; the sum of the batches' mean losses is all-reduced.
-    sampler = DistributedSampler(rows, shuffle=False)
+    # Each dp rank takes every dp_size-th row; the sum of the batches' mean losses is all-reduced.
+    sampler = DistributedSampler(rows, dp_size, dp_rank, shuffle=False)
     total = torch.zeros((), device=device)
     model.eval()
     with torch.no_grad(), autocast():
@@ -549,6 +574,8 @@ def get_parser():
         help="ranks that split each layer's experts (default: a node's)")
     add("--aux-loss-coef", type=common.non_negative_float,
         help="weight of the routers' balancing loss (default: the config's; 0: none)")
+    add("--bias-update-rate", type=common.non_negative_float,
+        help="step of the routing biases toward even loads (default: DeepSeek-V3's 0.001; 0: none)")
     parser.set_defaults(model_name=common.DEFAULT_MOE_MODEL)
     return parser
 

@@ -37,8 +37,8 @@ def latest_checkpoint(exp_dir: Path) -> Path | None:
 
 
 def publish(tmp_dir: Path, final_dir: Path) -> None:
-    """`tmp_dir`, fully written, becomes `final_dir` (replacing it): flushed, then renamed (atomic: a
-    crash never leaves a partial folder under the final name)."""
+    """`tmp_dir`, fully written, becomes `final_dir` (replacing it): flushed, then renamed (atomic:
+    a crash never leaves a partial folder under the final name)."""
     for path in [*tmp_dir.rglob("*"), tmp_dir]:
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
@@ -64,17 +64,26 @@ def publish_checkpoint(tmp_dir: Path, final_dir: Path, keep: int) -> None:
 
 @contextmanager
 def saving(tmp_dir: Path, step: int):
-    """A full disk during a save as one line: the unfinished save removed, earlier ones intact."""
+    """A full disk, or a folder that cannot be written, during a save as one line: the unfinished
+    save removed, earlier ones intact."""
     try:
         yield
     except (OSError, RuntimeError, CheckpointException) as err:
-        if not disk_full(err, tmp_dir.parent):
+        # DCP's error holds each rank's: a PermissionError among them is named in its text.
+        denied = isinstance(err, PermissionError) or "PermissionError" in str(err)
+        denied |= getattr(err, "errno", None) == errno.EROFS or "Read-only file system" in str(err)
+        if not denied and not disk_full(err, tmp_dir.parent):
             raise
         shutil.rmtree(tmp_dir, ignore_errors=True)
         previous = latest_checkpoint(tmp_dir.parent.parent)
         intact = "no earlier checkpoint exists"
         if previous is not None:
             intact = f"the checkpoint of step {int(previous.name.removeprefix('step-'))} is intact"
+        if denied:
+            raise SystemExit(
+                f"error: cannot write {tmp_dir.parent} while saving step {step} ({first_line(err)}"
+                f"); {intact}: make --save-dir writable by every rank, then rerun to resume"
+            ) from None
         raise SystemExit(
             f"error: no space left on the device of {tmp_dir.parent} while saving step {step}; "
             f"{intact}: free some space (or lower --keep-checkpoints), then rerun to resume"

@@ -70,7 +70,8 @@ def published_config(config, dtype: torch.dtype):
     """The config an export publishes: its weights' dtype, the class from_pretrained builds, and
     no quantization (a block-FP8 start was dequantized as it was read)."""
     config = copy.deepcopy(config)
-    config.dtype, config.architectures = dtype, [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    config.dtype = dtype
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     return config

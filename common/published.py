@@ -38,7 +38,8 @@ def pretrained_weights(model_name: str, config) -> Path:
         try:
             folder = snapshot_download(model_name, allow_patterns=PUBLISHED_FILES)
         except Exception as err:  # offline and not cached, gated, a network error
-            raise SystemExit(f"error: --from-pretrained {model_name!r}: {first_line(err)}") from None
+            message = f"error: --from-pretrained {model_name!r}: {first_line(err)}"
+            raise SystemExit(message) from None
     if not glob.glob(os.path.join(folder, "*.safetensors")):
         raise SystemExit(
             f"error: --from-pretrained {model_name!r} has no .safetensors files (published as "
@@ -48,10 +49,11 @@ def pretrained_weights(model_name: str, config) -> Path:
     return Path(folder)
 
 
-def published_state(model: torch.nn.Module, state: dict) -> dict:
+def published_state(model: torch.nn.Module, state: dict, dtype=None) -> dict:
     """`state` (this rank's shards) under the names transformers publishes: a tied weight once, by
     its first name; a mixture of experts' stacked weights one tensor per expert, as published
-    checkpoints hold them: views of this rank's whole experts (sharded on dim 0: FSDP's, EP's)."""
+    checkpoints hold them: views of this rank's whole experts (sharded on dim 0: FSDP's, EP's).
+    With `dtype`, cast to it, but what transformers keeps in fp32 (DeepSeek-V3's routers)."""
     named = {name for name, _ in model.named_parameters()}
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - named
     stacked, renames = _conversions(model.config.model_type)
@@ -68,12 +70,17 @@ def published_state(model: torch.nn.Module, state: dict) -> dict:
                 published[name.removesuffix(target) + source.replace("*", str(expert))] = part
     for published_name, in_memory in renames:
         published = {name.replace(in_memory, published_name): v for name, v in published.items()}
-    return {name: value for name, value in published.items() if value is not None}
+    published = {name: value for name, value in published.items() if value is not None}
+    if dtype is None:  # views: what a start reads into
+        return published
+    kept = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    kept_fp32 = {name for name in published if any(module in name for module in kept)}
+    return {n: v.to(torch.float32 if n in kept_fp32 else dtype) for n, v in published.items()}
 
 
 def _conversions(model_type: str) -> tuple[list, list]:
     """How transformers converts this family's published weights as it loads them: the stacked
-    experts' sources (`mlp.experts.*.gate_proj.weight`, ...), and the plain renamings, last first."""
+    experts' sources (`mlp.experts.*.gate_proj.weight`, ...) and the plain renamings, last first."""
     stacked, renames = [], []
     for conversion in get_checkpoint_conversion_mapping(model_type) or []:
         ops = [type(op).__name__ for op in getattr(conversion, "operations", [])]
@@ -103,7 +110,7 @@ def weights_reader(folder: Path) -> HuggingFaceStorageReader:
             "quantized weights; the chapters read bf16, fp32 or square-block FP8 (DeepSeek-V3's): "
             "pass a model published in one of those"
         )
-    return QuantizedHuggingFaceStorageReader(str(folder), target_dtype=torch.float32, block_size=blocks[0])
+    return QuantizedHuggingFaceStorageReader(str(folder), block_size=blocks[0])  # into fp32
 
 
 def build_buffers(model: torch.nn.Module) -> None:
@@ -130,13 +137,13 @@ def build_buffers(model: torch.nn.Module) -> None:
 
 @contextmanager
 def loading_pretrained(folder: Path):
-    """A published folder that lacks a tensor of the model, or holds one of another shape: one line."""
+    """A folder that lacks a tensor of the model, or holds one of another shape: one line."""
     try:
         yield
     except (Exception, CheckpointException) as err:
         lines = [line.strip() for line in str(err).splitlines()]  # DCP's: each rank's traceback
-        causes = [line for line in lines if line.startswith(("RuntimeError: Missing key", "ValueError: Size"))]
-        cause = causes[-1].split(": ", 1)[1] if causes else None
+        known = ("RuntimeError: Missing key", "ValueError: Size mismatch")
+        cause = next((line.split(": ", 1)[1] for line in lines if line.startswith(known)), None)
         raise SystemExit(
             f"error: --from-pretrained: {folder} does not hold this model's weights "
             f"({cause or first_line(err)}); pass the folder or Hub name of its own checkpoint"
@@ -204,7 +211,7 @@ def exporting(folder: str, files: dict[str, int]):
 
 def file_index(state: dict) -> dict[str, int]:
     """Each tensor's file (1, 2, ...), the same on every rank: whole tensors in order, a new file
-    past EXPORT_FILE_BYTES. Every rank's names, as a rank may hold tensors others do not (a stage)."""
+    past EXPORT_FILE_BYTES. Every rank's names: a rank may hold tensors others do not (a stage)."""
     sizes = {name: value.numel() * value.element_size() for name, value in state.items()}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, sizes)

@@ -338,3 +338,28 @@ def test_the_run_exits_0_when_gloo_lets_go_of_a_tensor_late(tied_bf16_fsdp_refer
     """The late release that once made a finished run abort at exit, made certain (harness.late_release):
     the chapter ends without the interpreter's shutdown, and the run exited 0."""
     assert_released_late(tied_bf16_fsdp_reference)
+
+
+def test_a_checkpoint_folder_that_cannot_be_written_is_one_line(tmp_path, hf_home):
+    """The checkpoints' folder made immutable (chattr +i: even root cannot write in it) after the
+    start's checks: the first save stops the job with one line naming the folder and the fix, its
+    unfinished save removed, not a traceback from rank 0."""
+    import os
+    import subprocess
+
+    from harness import run_forked
+
+    if os.geteuid() != 0 or not shutil.which("chattr"):
+        pytest.skip("an immutable folder needs root and chattr")
+    checkpoints = tmp_path / CHAPTER / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    subprocess.run(["chattr", "+i", str(checkpoints)], check=True)
+    try:
+        args = [*FAST_ARGS, "--max-steps", "2", "--ckpt-freq", "2", "--save-dir", str(tmp_path)]
+        code, stderr, ends = run_forked(CHAPTER, *args, nproc=2, hf_home=hf_home)
+    finally:
+        subprocess.run(["chattr", "-i", str(checkpoints)], check=True)
+    assert code != 0
+    line = f"error: cannot write {checkpoints} while saving step 2 (PermissionError: "
+    assert line in stderr and "make --save-dir writable by every rank" in stderr, ends
+    assert list(checkpoints.iterdir()) == []

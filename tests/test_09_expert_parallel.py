@@ -7,19 +7,25 @@ clipped at every step (gradient norms of 2 to 4 against --max-grad-norm 1), with
 load-balancing loss in both chapters; the probe PROBE_EXPERT_COUNTS records how many tokens each
 router call sent to each expert. Runs are shared: 04 and ep 2 on 2 ranks; 04 and ep 2 (efsdp 2) on 4
 ranks; ep 4 resuming the latter's checkpoint; chapter 04 resuming ep 2's, and ep 2 resuming it under
-torchrun --max-restarts, killed; the empty rank; checkpointing with accumulation. Refusals run
-in-process with the chapter's own checks, and one under torchrun for its last line.
+torchrun --max-restarts, killed; the empty rank; checkpointing with accumulation. A tiny
+DeepSeek-V3 (tests/moe_families.py) at its defaults, its routing biases moved toward even loads, at ep
+2, and resumed at ep 4; with them frozen, against chapter 04. Refusals run main() in this process as a
+job of one rank would (every check that needs no second rank), the layouts' checks alone, and one
+under torchrun for its last line.
 """
 
+import gc
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from harness import FAST_ARGS, REPO, assert_released_late, differences, last_lines, late_release, read_metrics
-from harness import rewind, run_chapter
-from model_families import WIDTHS
+from harness import FAST_ARGS, REPO, assert_released_late, differences, final_weights, free_port, last_lines
+from harness import late_release, losses, read_metrics, rewind, run_chapter
+from moe_families import tiny_config, write_folder
+from transformers import AutoModelForCausalLM
 
 CHAPTER = "09-expert-parallel"
 STEPS = 12
@@ -218,9 +224,10 @@ def load_chapter():
 @pytest.mark.parametrize(
     "argv, world_size, shard_size, message",
     [
-        (["--ep-size", "3"], 4, 4, "--ep-size 3 must divide the ranks that shard the model (4: all ranks)"),
+        (["--ep-size", "3"], 4, 4, "--ep-size 3 must divide the ranks that shard the model (4: all ranks): "
+         "pass a divisor, such as 2"),
         (["--ep-size", "4", "--shard-size", "2"], 4, 2, "--ep-size 4 must divide the ranks that shard the model "
-         "(2: --shard-size)"),
+         "(2: --shard-size): pass a divisor, such as 2"),
     ],
     ids=["ranks", "shard-size"],
 )  # fmt: skip
@@ -232,59 +239,78 @@ def test_layouts_that_cannot_split_the_experts_are_refused(argv, world_size, sha
     chapter.experts.check_layout(chapter.get_parser().parse_args(["--ep-size", "2"]), 8, 4)
 
 
-def config(family):
-    """A tiny config of `family`: model_families' widths, 4 experts of width 32 (named as each family does)."""
-    from transformers import AutoConfig
-
-    experts = {"num_experts": 4, "num_local_experts": 4, "moe_intermediate_size": 32, "num_experts_per_tok": 2}
-    model_config = AutoConfig.for_model(family, **WIDTHS)
-    for key, value in experts.items():
-        if hasattr(model_config, key):
-            setattr(model_config, key, value)
-    return model_config
-
-
-def meta_model(model_config):
-    from transformers import AutoModelForCausalLM
-
+def test_an_ep_size_that_cannot_split_the_experts_is_refused():
+    """More ranks than one rank's world: the layout's check passes (6 divides 12 ranks), the model's
+    refuses (8 experts), naming a divisor of both."""
+    chapter = load_chapter()
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config)
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    with pytest.raises(SystemExit) as refused:
+        chapter.experts.check_model(model, chapter.get_parser().parse_args(["--ep-size", "6"]), torch.float32)
+    assert "--ep-size 6 must divide the model's 8 experts per layer: pass a divisor of both, such as 2" in str(
+        refused.value
+    )
 
 
-def moe_config(**changes):
-    from transformers import AutoConfig
+def model_folder(tmp_path, family, **changes) -> Path:
+    """A folder --model-name takes: `family`'s tiny config (tests/moe_families.py) and a tokenizer."""
+    return write_folder(family, tmp_path / family, **changes)
 
-    model_config = AutoConfig.from_pretrained(MOE)
-    for key, value in changes.items():
-        setattr(model_config, key, value)
-    return model_config
+
+def refused_by_main(argv, save_dir, monkeypatch) -> str:
+    """main() as a job of one rank runs it (torchrun's variables for rank 0 of 1), in this process:
+    the one-line error it stops with. What it refuses needs no second rank, and comes before the
+    data and the model are built."""
+    chapter = load_chapter()
+    torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["train_llm.py", *argv, "--save-dir", str(save_dir)])
+    monkeypatch.setattr(chapter.common, "setup_logging", lambda **kwargs: None)  # pytest's logging stays
+    try:
+        with pytest.raises(SystemExit) as refused:
+            chapter.main()
+    finally:
+        gc.unfreeze()  # main() froze what it found: this process goes on
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return str(refused.value.code)
 
 
 @pytest.mark.parametrize(
-    "model_config, argv, message",
+    "family, changes, argv, message",
     [
-        (lambda: config("llama"), [], "is a dense model (no layer of routed experts): expert parallelism needs"),
-        (lambda: config("jetmoe"), [], "its experts are not transformers 5's stacked experts"),
-        (moe_config, ["--ep-size", "3"], "--ep-size 3 must divide the model's 8 experts per layer"),
-        (lambda: moe_config(moe_intermediate_size=30), [], "its experts' widths [30, 60, 128] are not all "
-         "multiples of 4 (16 bytes in torch.float32), which grouped_mm needs"),
+        ("llama", {}, [], "(llama) is a dense model (no layer of routed experts): expert parallelism needs"),
+        ("qwen3_moe", {"num_experts": 1, "num_experts_per_tok": 1}, [], "(qwen3_moe) has one expert per layer, "
+         "none to split: train it with chapter 04"),
+        ("dbrx", {}, [], "(dbrx): its experts (DbrxExperts) are not transformers 5's stacked experts, each weight "
+         "of shape (experts, ...) on one module (weights in nested modules (mlp.w1...)); train it with chapter 04"),
+        ("jetmoe", {}, [], "(jetmoe): its experts (JetMoeMoA) are not transformers 5's stacked experts"),
+        ("llama4_text", {}, [], "(llama4_text): its experts (Llama4TextExperts) are called with the tokens alone, "
+         "forward(hidden_states), not with the router's choices"),
+        ("mixtral", {"num_experts_per_tok": 9}, [], "(mixtral): its config's num_experts_per_tok (9) must be from "
+         "1 to its 8 experts per layer"),
+        ("qwen3_moe", {"num_experts_per_tok": 0}, [], "num_experts_per_tok (0) must be from 1 to its 8 experts"),
+        ("qwen3_moe", {"moe_intermediate_size": 30}, [], "its experts' widths [30, 60, 64] are not all multiples "
+         "of 4 (16 bytes in torch.float32), which grouped_mm needs"),
+        ("deepseek_v3", {}, ["--aux-loss-coef", "0.01"], "error: --aux-loss-coef 0.01: --model-name"),
+        ("qwen3_moe", {}, ["--aux-loss-coef", "1e30"], "error: --aux-loss-coef 1e+30 would weigh the routers' "
+         "balancing loss over the model's own"),
+        ("mixtral", {}, ["--bias-update-rate", "0.01"], "error: --bias-update-rate 0.01: --model-name"),
     ],
-    ids=["dense", "family", "experts", "widths"],
+    ids=["dense", "one-expert", "dbrx", "jetmoe", "llama4", "top-k-9", "top-k-0", "widths", "no-aux-loss",
+         "aux-loss-coef", "no-routing-bias"],
 )  # fmt: skip
-def test_models_whose_experts_cannot_be_split_are_refused(model_config, argv, message):
-    chapter = load_chapter()
-    with pytest.raises(SystemExit) as refused:
-        chapter.experts.check_model(meta_model(model_config()), chapter.get_parser().parse_args(argv), torch.float32)
-    assert str(refused.value).startswith("error: --") and message in str(refused.value), refused.value
-
-
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss"])
-def test_the_families_with_stacked_experts_are_taken(family):
-    """transformers 5's MoE families whose experts follow the contract: found in every block, and taken."""
-    chapter = load_chapter()
-    model = meta_model(config(family))
-    layers = chapter.experts.check_model(model, chapter.get_parser().parse_args(["--ep-size", "2"]), torch.float32)
-    assert len(layers) == model.config.num_hidden_layers
+def test_what_expert_parallelism_cannot_take_is_refused_by_main_in_one_line(
+    family, changes, argv, message, tmp_path, monkeypatch
+):
+    """As users meet them: main() stops with one line naming the flag or the family's gap, before the
+    data or the model is built, and writes nothing. The families' widths are tests/moe_families.py's."""
+    folder = model_folder(tmp_path, family, **changes)
+    line = refused_by_main(["--model-name", str(folder), "--seq-length", "128", *argv], tmp_path / "out", monkeypatch)
+    assert line.startswith("error: ") and "\n" not in line and message in line, line
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("argv, on, coef", [([], True, 0.001), (["--aux-loss-coef", "0.01"], True, 0.01),
@@ -292,10 +318,106 @@ def test_the_families_with_stacked_experts_are_taken(family):
 def test_the_balancing_loss_is_on_at_the_configs_weight_unless_told(argv, on, coef):
     """The shipped tiny MoE's config, as Qwen3-MoE's published one, does not ask for the routers'
     logits (output_router_logits false: chapter 04 trains it without the balancing loss); this
-    chapter asks."""
+    chapter asks. DeepSeek-V3's forward computes no balancing loss: its config is left as it is."""
     from transformers import AutoConfig
 
     chapter, model_config = load_chapter(), AutoConfig.from_pretrained(MOE)
     assert model_config.output_router_logits is False
     chapter.experts.set_balancing_loss(model_config, chapter.get_parser().parse_args(argv))
     assert (model_config.output_router_logits, model_config.router_aux_loss_coef) == (on, coef)
+    deepseek = tiny_config("deepseek_v3")
+    chapter.experts.set_balancing_loss(deepseek, chapter.get_parser().parse_args(argv))
+    assert not getattr(deepseek, "output_router_logits", False) and not hasattr(deepseek, "router_aux_loss_coef")
+
+
+def test_the_routing_biases_move_by_the_rate_toward_even_loads(monkeypatch):
+    """DeepSeek-V3's balancing, as torchtitan updates it: after each step, each expert's routing bias
+    moves by the rate up if its load is below the layer's mean, down if above (the sign of its
+    deficit, centred so that the biases keep their sum); the load is the step's over all ranks (here
+    one) and micro-batches; the log line reads what update_load summed."""
+    chapter = load_chapter()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v3"))
+    model.to_empty(device="cpu")
+    layers = chapter.experts.experts_modules(model)
+    chapter.experts.track_load(model, layers, 0.01)
+    biases = [getattr(*layer.routing_bias) for layer in layers]
+    for bias in biases:
+        bias.zero_()
+    monkeypatch.setattr(chapter.experts.dist, "all_reduce", lambda tensor: None)
+    loads = torch.tensor([[10, 2, 4, 4, 4, 4, 4, 0], [4] * 8])  # 2 layers x 8 experts, mean 4
+    chapter.experts.update_load(layers, loads)
+    expected = torch.tensor([-1, 1, 0, 0, 0, 0, 0, 1]) * 0.01 - 0.01 / 8
+    assert torch.allclose(biases[0], expected) and torch.equal(biases[1], torch.zeros(8))
+    assert chapter.experts.load_metrics(layers) == {"experts/load": 2.5, "experts/load_layer_0": 2.5,
+                                                    "experts/load_layer_1": 1.0}  # fmt: skip
+
+
+DEEPSEEK_STEPS = 8
+DEEPSEEK_ARGS = [*FAST_ARGS, "--max-steps", str(DEEPSEEK_STEPS), "--ckpt-freq", "4", "--eval-every", "4"]
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """A tiny DeepSeek-V3 (tests/moe_families.py): 2 blocks of 8 routed experts, 2 per token, a shared
+    expert, multi-head latent attention, sigmoid routers with routing biases (buffers); published in
+    bf16, as DeepSeek-V3 is."""
+    return model_folder(tmp_path_factory.mktemp("deepseek"), "deepseek_v3", dtype="bfloat16")
+
+
+def run_deepseek(chapter, save_dir, hf_home, model, *args, nproc=2):
+    run_chapter(chapter, *DEEPSEEK_ARGS, "--model-name", str(model), *args, "--save-dir", str(save_dir),
+                nproc=nproc, hf_home=hf_home)  # fmt: skip
+    return save_dir / chapter
+
+
+@pytest.fixture(scope="module")
+def deepseek_run(tmp_path_factory, hf_home, deepseek):
+    """DeepSeek-V3 at the chapter's defaults on 2 ranks: ep 2, its routing biases moved by 0.001 per
+    step; exported."""
+    save_dir = tmp_path_factory.mktemp("deepseek_ep2")
+    return run_deepseek(CHAPTER, save_dir, hf_home, deepseek, "--export-hf", str(save_dir / "hf"))
+
+
+def test_deepseek_v3_trains_at_its_defaults_its_routing_biases_moved_and_exported(deepseek_run, tmp_path):
+    """Each layer's biases moved by 0.001 per step from 0, centred (their sum stays 0: each step moves
+    one by at most 2 x 0.001), saved in the checkpoints, and exported in fp32 beside the bf16
+    weights, as DeepSeek-V3's published model carries them (its routers too, where transformers keeps
+    them in fp32)."""
+    from harness import safetensors_in
+
+    run = losses(deepseek_run)
+    assert len(run) == DEEPSEEK_STEPS and run[-1] < run[0], run
+    weights = final_weights(deepseek_run, tmp_path, DEEPSEEK_STEPS)
+    biases = {name: value for name, value in weights.items() if name.endswith("e_score_correction_bias")}
+    assert len(biases) == 2
+    for bias in biases.values():
+        assert 0.001 < bias.abs().max() <= DEEPSEEK_STEPS * 2 * 0.001, bias
+        assert abs(bias.sum()) < 1e-6, bias
+    exported = safetensors_in(deepseek_run.parent / "hf")
+    for name, bias in biases.items():
+        assert exported[name].dtype == torch.float32 and torch.equal(exported[name], bias)
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3PreTrainedModel
+
+    gate = next(name for name in biases).replace("e_score_correction_bias", "weight")
+    kept = "gate.weight" in DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict  # 5.24's; not 5.17's
+    assert exported[gate].dtype == (torch.float32 if kept else torch.bfloat16)
+    assert exported["lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_deepseek_v3s_balancing_resumes_at_ep_4_as_it_went_at_ep_2(tmp_path, hf_home, deepseek, deepseek_run):
+    """The checkpoint of step 4 (its routing biases in it), resumed at ep 4 on 4 ranks of 2 rows: every
+    later step, the biases and the weights as at ep 2 (each rank's loss is its rows' mean: no
+    balancing loss to differ by the rows a rank holds)."""
+    rewind(deepseek_run, tmp_path / CHAPTER, step=4)
+    resumed = run_deepseek(CHAPTER, tmp_path, hf_home, deepseek, *FOUR_RANKS, "--ep-size", "4", nproc=4)
+    assert_equal_to_04(resumed, deepseek_run, tmp_path, steps=DEEPSEEK_STEPS)
+
+
+def test_deepseek_v3_with_its_routing_biases_frozen_equals_04(tmp_path, hf_home, deepseek, deepseek_run):
+    """--bias-update-rate 0: chapter 04's training, which leaves the biases as loaded; the default's
+    run (biases moved) is another."""
+    reference = run_deepseek("04-fsdp", tmp_path / "fsdp", hf_home, deepseek)
+    frozen = run_deepseek(CHAPTER, tmp_path / "ep", hf_home, deepseek, "--bias-update-rate", "0")
+    assert_equal_to_04(frozen, reference, tmp_path, steps=DEEPSEEK_STEPS)
+    assert differences(deepseek_run, frozen, tmp_path, DEEPSEEK_STEPS)["weights"] > 1e-4

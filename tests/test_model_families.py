@@ -19,6 +19,18 @@ REFUSED_BY_05 = {
     "qwen2_moe": "this one has no ['mlp.gate_proj', 'mlp.up_proj', 'mlp.down_proj']",
 }
 MOE_FAMILIES = ["qwen2_moe"]  # chapter 09's: the others have no experts to spread
+# Chapter 09's mixtures of experts beyond those (tests/moe_families.py), one of each kind the chapter
+# meets: softmax routers with the balancing loss (Mixtral); experts with biases, transposed (gpt-oss);
+# sigmoid routers with routing biases, shared experts, latent attention (DeepSeek-V3); routing biases
+# as a frozen parameter FSDP shards (ERNIE 4.5), on the MoE block (MiniMax-M2); experts with no gate,
+# between Mamba layers (Nemotron-H). The README's table has every family transformers 5.24 ships.
+MOE_TRAINED = ["mixtral", "gpt_oss", "deepseek_v3", "ernie4_5_moe", "minimax_m2", "nemotron_h"]
+MOE_BIASED = ["deepseek_v3", "ernie4_5_moe", "minimax_m2", "nemotron_h"]
+MOE_REFUSED = {
+    "dbrx": "its experts (DbrxExperts) are not transformers 5's stacked experts",  # nested modules
+    "jetmoe": "its experts (JetMoeMoA) are not transformers 5's stacked experts",
+    "llama4_text": "its experts (Llama4TextExperts) are called with the tokens alone",
+}
 REFUSED_BY_07 = {"gemma3_text": "it has sliding_attention layers", "gpt2": "it drops attention weights"}
 
 
@@ -61,6 +73,55 @@ def test_chapter_09_trains_the_family_as_chapter_04(family, family_losses):
     assert max(abs(a - b) for a, b in zip(fsdp, ep)) <= 1e-5, (fsdp, ep)
     fsdp_norm, ep_norm = family_losses[family]["ep_grad_norms"]
     assert abs(fsdp_norm - ep_norm) <= 1e-5 * fsdp_norm, (fsdp_norm, ep_norm)
+
+
+@pytest.fixture(scope="module")
+def moe_family_runs(hf_home):
+    """Each of chapter 09's families for 3 steps on 2 ranks through chapter 04, then chapter 09 as its
+    main() takes it (its checks, parallelize at ep 2, train_step), the routing biases frozen, and with
+    their update on at ep 2 and ep 1 (tests/moe_families.py): one launch for all."""
+    script = str(REPO / "tests" / "moe_families.py")
+    proc = subprocess.run(
+        [*torchrun("--standalone", "--nproc-per-node=2"), script, *MOE_TRAINED, *MOE_REFUSED],
+        env=chapter_env(hf_home), cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def largest_differences(run, reference) -> tuple[float, float]:
+    """The largest difference of the losses, and the largest relative one of the gradient norms."""
+    (losses, norms), (reference_losses, reference_norms) = run, reference
+    return max(abs(a - b) for a, b in zip(losses, reference_losses)), max(
+        abs(a - b) / b for a, b in zip(norms, reference_norms)
+    )
+
+
+@pytest.mark.parametrize("family", MOE_TRAINED)
+def test_chapter_09_trains_the_moe_family_as_chapter_04(family, moe_family_runs):
+    """ep 2, the routing biases frozen (chapter 04 leaves them as loaded), the balancing loss in both
+    where the family computes one: every loss and gradient norm within 1e-5 of chapter 04's."""
+    run = moe_family_runs[family]
+    assert "crash" not in run and not isinstance(run["ep"], str), run
+    assert max(largest_differences(run["ep"], run["fsdp"])) <= 1e-5, (run["ep"], run["fsdp"])
+    assert ("ep_balanced" in run) == (family in MOE_BIASED)
+
+
+@pytest.mark.parametrize("family", MOE_BIASED)
+def test_chapter_09_moves_the_routing_biases_alike_at_ep_2_and_ep_1(family, moe_family_runs):
+    """Their update on (0.001 per step, the default): the same losses and norms at ep 2 and ep 1 (every
+    rank all experts), and another training than with them frozen."""
+    run = moe_family_runs[family]
+    assert max(largest_differences(run["ep_balanced"], run["ep_1_balanced"])) <= 1e-5, run
+    assert largest_differences(run["ep_balanced"], run["ep"])[0] > 1e-6, run
+
+
+@pytest.mark.parametrize("family", MOE_REFUSED)
+def test_chapter_09_refuses_the_moe_family_in_one_line(family, moe_family_runs):
+    """What its experts lack, named, before anything is built; chapter 04 trains it."""
+    run = moe_family_runs[family]
+    assert run["ep"].startswith("error: --model-name") and MOE_REFUSED[family] in run["ep"], run
+    assert "train it with chapter 04" in run["ep"] and len(run["fsdp"][0]) == 3
 
 
 @pytest.mark.parametrize("family", [family for family in FAMILIES if family not in MOE_FAMILIES])

@@ -117,6 +117,8 @@ LAYOUTS = {  # chapter, ranks, source, flags: 8 rows in each step
     "07-cp": ("07-context-parallel", 2, "untied", ["--cp-size", "2", "--batch-size", "8"]),
     "08-pp-x-fsdp": ("08-pipeline-parallel", 4, "untied", ["--pp-size", "2", "--batch-size", "2"]),
     "04-moe": ("04-fsdp", 2, "moe", ["--batch-size", "4"]),  # whole experts on each rank, by name
+    "09-ep": ("09-expert-parallel", 2, "moe", ["--ep-size", "2", "--aux-loss-coef", "0", "--batch-size", "4"]),
+    "09-ep-x-efsdp": ("09-expert-parallel", 4, "moe", ["--ep-size", "2", "--aux-loss-coef", "0", "--batch-size", "2"]),
 }
 
 
@@ -124,16 +126,16 @@ LAYOUTS = {  # chapter, ranks, source, flags: 8 rows in each step
 def test_each_layout_starts_as_from_pretrained_and_exports_the_source(layout, sources, references, tmp_path,
                                                                       hf_home):  # fmt: skip
     """The step from the sliced start is chapter 01's (whose start is from_pretrained), loss and gradient
-    norm; the export after it (learning rate 0) is the source, bit for bit. Chapter 06's FP8 matmuls
-    round: its loss is chapter 01's within FP8's error, and its export is the source's."""
+    norm within 1e-5; the export after it (learning rate 0) is the source, bit for bit. Chapter 06's
+    FP8 matmuls round: its loss and norm are chapter 01's within 2%, and its export is the source."""
     chapter, ranks, source, flags = LAYOUTS[layout]
     args = [*ARGS, *flags, "--model-name", str(sources[source]), "--from-pretrained"]
     run_chapter(chapter, *args, "--save-dir", str(tmp_path), "--export-hf", str(tmp_path / "hf"), nproc=ranks,
                 hf_home=hf_home)  # fmt: skip
     step, reference = read_metrics(tmp_path / chapter)[1], references[source]
-    tolerance = 2e-2 if chapter == "06-fp8" else 1e-6
+    tolerance = 2e-2 if chapter == "06-fp8" else 1e-5  # fp32 sums in another order; FP8's rounding
     assert abs(step["loss"] - reference["loss"]) <= tolerance, (step["loss"], reference["loss"])
-    assert abs(step["grad_norm"] - reference["grad_norm"]) <= 50 * tolerance * reference["grad_norm"]
+    assert abs(step["grad_norm"] - reference["grad_norm"]) <= tolerance * reference["grad_norm"], step
     exported, published = safetensors_in(tmp_path / "hf"), safetensors_in(sources[source])
     assert exported.keys() == published.keys()
     for name, value in published.items():
