@@ -98,8 +98,7 @@ def main():
         # --from-pretrained: the published safetensors, downloaded once per node (or a folder's).
         weights = common.pretrained_weights(args.model_name, config) if args.from_pretrained else None
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
-    if args.export_hf:  # each rank writes its part there: one folder, seen by all
-        common.check_export_folder(args.export_hf, config)
+    common.check_export_folder(args.export_hf, config)  # each rank writes its part there: shared?
     # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
@@ -143,8 +142,7 @@ def main():
     del full_model
     num_params = sum(p.numel() for p in model.parameters())
     # The whole model's (a DTensor counts its full size), and how the ranks split it and the rows.
-    split = dict(zip(mesh.mesh_dim_names, mesh.shape))
-    logger.info(f"{num_params:,} parameters on a mesh of {split}, {dp_size} dp ranks")
+    logger.info(f"{num_params:,} parameters, mesh {mesh.mesh_dim_names} {mesh.shape}, dp {dp_size}")
 
     # --- 5. Optimizer and LR schedule ---
     params = common.adamw_param_groups(model, args.weight_decay)  # fused: one kernel, GPU or CPU

@@ -90,8 +90,7 @@ def main():
         # --from-pretrained: the published safetensors, downloaded once per node (or a folder's).
         weights = common.pretrained_weights(args.model_name, config) if args.from_pretrained else None
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
-    if args.export_hf:  # each rank writes its part there: one folder, seen by all
-        common.check_export_folder(args.export_hf, config)
+    common.check_export_folder(args.export_hf, config)  # each rank writes its part there: shared?
     # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 

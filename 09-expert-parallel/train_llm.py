@@ -97,8 +97,7 @@ def main():
         weights = common.pretrained_weights(args.model_name, config) if args.from_pretrained else None
     experts.check_config(config, args, dtype)  # what EP cannot take, in one line, before any build
     experts.set_balancing_loss(config, args)  # the routers' load-balancing loss, in the loss
-    if args.export_hf:  # each rank writes its part there: one folder, seen by all
-        common.check_export_folder(args.export_hf, config)
+    common.check_export_folder(args.export_hf, config)  # each rank writes its part there: shared?
     # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
@@ -141,8 +140,7 @@ def main():
     del full_model
     num_params = sum(p.numel() for p in model.parameters())
     # The whole model's (a DTensor counts its full size), and how the ranks split it and the rows.
-    split = dict(zip(mesh.mesh_dim_names, mesh.shape))
-    logger.info(f"{num_params:,} parameters on a mesh of {split}, {dp_size} dp ranks")
+    logger.info(f"{num_params:,} parameters, mesh {mesh.mesh_dim_names} {mesh.shape}, dp {dp_size}")
     logger.info(f"{len(moe_layers)} layers of experts, each on 1 of {args.ep_size} ranks")
 
     # --- 5. Optimizer and LR schedule ---

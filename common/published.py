@@ -150,10 +150,12 @@ def loading_pretrained(folder: Path):
         ) from None
 
 
-def check_export_folder(folder: str, config) -> None:
-    """Before training: --export-hf must be a new folder (or an earlier export, which it replaces)
-    that every rank sees, as each writes its part there and each merges some of the files; and the
-    family's published names must be known (_conversions)."""
+def check_export_folder(folder: str | None, config) -> None:
+    """Before training: --export-hf (if given) must be a new folder (or an earlier export, which it
+    replaces) that every rank sees, as each writes its part there and each merges some of the
+    files; and the family's published names must be known (_conversions)."""
+    if folder is None:
+        return
     _conversions(config.model_type)
     path = Path(folder).absolute()
     if path.is_dir() and any(path.iterdir()) and not (path / "config.json").exists():
