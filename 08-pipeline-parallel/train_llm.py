@@ -55,8 +55,6 @@ def main():
         raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
     # torchrun starts one process per GPU and tells each who it is.
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    # A pipeline's --pp-size ranks, a dp_size apart (pp is the outer dimension), share its rows.
-    dp_size, dp_rank = world_size // args.pp_size, rank % (world_size // args.pp_size)
     # Rank 0 speaks for the job; the others only report warnings and errors.
     prefix = f"[{socket.gethostname()} rank={rank}] "  # its host: rank order ignores any host list
     common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
@@ -77,10 +75,13 @@ def main():
     # The outer mesh dimension: --pp-size stages of consecutive ranks (nodes), between which only
     # activations and their gradients pass. FSDP shards each stage over its dp ranks, all by default
     # (--shard-size fewer: HSDP, a replica per group, all-gathers and reduce-scatters inside it).
+    dp_size = world_size // args.pp_size
     shard_size = args.shard_size or dp_size
     pipeline.check_layout(args, world_size, shard_size)
     mesh_shape, mesh_dim_names = (args.pp_size, dp_size // shard_size, shard_size), ("pp", "replicate", "shard")
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=mesh_dim_names)
+    # A pipeline's --pp-size ranks, a dp_size apart (pp is the outer dimension), share its rows.
+    dp_rank = rank % dp_size
 
     # --- 2. Config and tokenizer ---
     # Everything that can fail on bad input happens before anything is written.

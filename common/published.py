@@ -1,6 +1,7 @@
 """Published weights, in and out: where a model's safetensors are, the buffers no file holds, and an
 export folder that every rank writes and that appears whole or not at all."""
 
+import copy
 import glob
 import json
 import os
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import (
     consolidate_safetensors_files_on_every_rank,  # the one merge torch has: private in 2.11-2.13
 )
 from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 from common.checkpoints import disk_full, publish
@@ -53,29 +55,32 @@ def published_state(model: torch.nn.Module, state: dict, dtype=None) -> dict:
     """`state` (this rank's shards) under the names transformers publishes: a tied weight once, by
     its first name; a mixture of experts' stacked weights one tensor per expert, as published
     checkpoints hold them: views of this rank's whole experts (sharded on dim 0: FSDP's, EP's).
-    With `dtype`, cast to it, but what transformers keeps in fp32 (DeepSeek-V3's routers)."""
+    With `dtype`, each in the dtype transformers holds it in a model of `dtype` (DeepSeek-V3's
+    routers and routing biases stay fp32)."""
     named = {name for name, _ in model.named_parameters()}
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - named
     stacked, renames = _conversions(model.config.model_type)
-    published = {}
+    published = {}  # published name: (the name in memory, the tensor)
     for name, value in state.items():
         target, sources = next(((t, s) for t, s in stacked if name.endswith(t)), (None, None))
         if name in tied or target is None:
-            published[name] = None if name in tied else value
+            published[name] = None if name in tied else (name, value)
             continue
         local = value.to_local() if isinstance(value, DTensor) else value
         first = value.__create_chunk_list__()[0].offsets[0] if isinstance(value, DTensor) else 0
         for expert, weights in enumerate(local, start=first):  # (2I, H): gate's rows, then up's
             for source, part in zip(sources, weights.chunk(len(sources))):
-                published[name.removesuffix(target) + source.replace("*", str(expert))] = part
+                expert_name = name.removesuffix(target) + source.replace("*", str(expert))
+                published[expert_name] = (name, part)
     for published_name, in_memory in renames:
         published = {name.replace(in_memory, published_name): v for name, v in published.items()}
-    published = {name: value for name, value in published.items() if value is not None}
+    published = {name: entry for name, entry in published.items() if entry is not None}
     if dtype is None:  # views: what a start reads into
-        return published
-    kept = getattr(model, "_keep_in_fp32_modules_strict", None) or []
-    kept_fp32 = {name for name in published if any(module in name for module in kept)}
-    return {n: v.to(torch.float32 if n in kept_fp32 else dtype) for n, v in published.items()}
+        return {name: value for name, (_, value) in published.items()}
+    with torch.device("meta"):  # a model as transformers builds it in `dtype`: no memory
+        built = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=dtype)
+    dtypes = {name: value.dtype for name, value in built.state_dict().items()}
+    return {name: value.to(dtypes.get(held, dtype)) for name, (held, value) in published.items()}
 
 
 def _conversions(model_type: str) -> tuple[list, list]:

@@ -1,6 +1,7 @@
 """Runs a chapter's train_llm.py as its users do, in a subprocess, and reads back what it wrote."""
 
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -471,6 +472,21 @@ def differences(run: Path, reference: Path, tmp_path: Path, steps: int = 12) -> 
     assert weights.keys() == ref_weights.keys()  # chapter 04's names: model.layers.3.mlp.up_proj.weight, ...
     worst["weights"] = max((weights[name] - ref_weights[name]).abs().max().item() for name in ref_weights)
     return worst
+
+
+@contextlib.contextmanager
+def small_disk(folder: Path, size: str):
+    """A tmpfs of `size` mounted on `folder` (made), for the tests of a full disk; needs root."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
 
 
 def safetensors_in(folder: Path) -> dict:

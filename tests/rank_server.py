@@ -33,6 +33,7 @@ import time
 # collector would scan again and again (tests/faults/sitecustomize.py does the same in every process).
 gc.disable()
 import datasets  # noqa: E402,F401
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.checkpoint  # noqa: E402,F401
 import torch.distributed.fsdp  # noqa: E402,F401
@@ -125,6 +126,11 @@ def become(job: dict) -> None:
     python_path = [p for p in job["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [os.path.dirname(script), *python_path, *(p for p in sys.path[1:] if p != here)]
+    # What a fork copies that a new process would draw afresh: numpy's global random state (Python's
+    # own `random` reseeds itself in a child). The string-hash seed cannot be: each forked rank has the
+    # server's, where torchrun's workers each draw their own (sets of strings iterate alike on every
+    # forked rank; the runs that torchrun launches, the failing ones and the launchers', do not).
+    np.random.seed()
     if job["env"].get("PYTHONFAULTHANDLER"):
         import faulthandler
 

@@ -1,8 +1,6 @@
 import json
 import math
-import os
 import shutil
-import subprocess
 import time
 
 import pytest
@@ -251,13 +249,10 @@ def test_ctrl_c_saves_and_the_log_lines_after_the_rerun_match(tmp_path, hf_home,
 @pytest.fixture
 def small_disk(tmp_path):
     """A 16 MiB file system: room for one checkpoint of the tiny model (11 MiB), not for two."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mount = tmp_path / "small_disk"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], check=True)
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    from harness import small_disk
+
+    with small_disk(tmp_path / "small_disk", "16m") as mount:
+        yield mount
 
 
 def test_a_full_disk_while_saving_fails_clearly_and_keeps_the_last_checkpoint(small_disk, hf_home):

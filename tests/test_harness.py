@@ -35,17 +35,20 @@ def test_a_stuck_test_fails_with_its_stacks_and_the_others_run(tmp_path):
 
 
 ENV_DUMP = """
-import json, os, sys
+import json, os, random, sys
+import numpy as np
 with open(os.path.join(sys.argv[1], f"env-{os.environ['RANK']}.json"), "w") as f:
     json.dump({"env": dict(os.environ), "argv": sys.argv, "cwd": os.getcwd(), "main": __name__,
-               "unbuffered": not hasattr(sys.stdout, "buffer") or sys.stdout.write_through}, f)
+               "unbuffered": not hasattr(sys.stdout, "buffer") or sys.stdout.write_through,
+               "random": [random.random(), float(np.random.random())]}, f)
 """
 
 
 def test_a_forked_rank_gets_what_torchrun_gives_its_worker(tmp_path):
     """The fork server's ranks (harness.run_chapter, tests/rank_server.py) have the variables torchrun
     sets for its workers, each with the same value but the run's own port, id and error file; the
-    script's arguments; the folder; `__main__`; unbuffered output (python -u)."""
+    script's arguments; the folder; `__main__`; unbuffered output (python -u); random states of
+    their own."""
     from harness import chapter_env, rank_servers, torchrun
 
     script = tmp_path / "env_dump.py"
@@ -68,6 +71,9 @@ def test_a_forked_rank_gets_what_torchrun_gives_its_worker(tmp_path):
         assert forked["argv"][1:] == [str(tmp_path / "forked")] and forked["cwd"] == launched["cwd"]
         assert forked["main"] == launched["main"] == "__main__"
         assert forked["unbuffered"] and launched["unbuffered"]
+    # Python's and numpy's random numbers drawn afresh in each rank, as in a new process.
+    forked = [json.loads((tmp_path / "forked" / f"env-{rank}.json").read_text())["random"] for rank in range(2)]
+    assert forked[0][0] != forked[1][0] and forked[0][1] != forked[1][1], forked
 
 
 def test_a_hung_forked_rank_is_killed_and_reported(tmp_path, hf_home):

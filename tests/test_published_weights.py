@@ -11,9 +11,7 @@ and an export is measured on a 61M-parameter model (tests/published_weights.py).
 """
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -47,6 +45,19 @@ def save_moe_source(folder):
     config = AutoConfig.from_pretrained(REPO / "common" / "tiny_moe")
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder, max_shard_size="400KB")
+    for name in ["tokenizer.json", "tokenizer_config.json"]:
+        shutil.copy(TINY / name, folder / name)
+    return folder
+
+
+def save_gemma3_source(folder):
+    """A tiny Gemma 3 (tests/model_families.py's): its embedding's scale, a buffer no file holds,
+    which TP makes a DTensor; seeded weights in bf16 in two files."""
+    from model_families import config
+
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config("gemma3_text"), dtype=torch.bfloat16).save_pretrained(
+        folder, max_shard_size="200KB")  # fmt: skip
     for name in ["tokenizer.json", "tokenizer_config.json"]:
         shutil.copy(TINY / name, folder / name)
     return folder
@@ -95,7 +106,8 @@ def sources(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sources")
     untied = save_source(folder / "untied")
     return {"untied": untied, "tied": save_source(folder / "tied", tied=True, vocab=512),
-            "fp8": save_fp8_source(folder / "fp8", untied), "moe": save_moe_source(folder / "moe")}  # fmt: skip
+            "fp8": save_fp8_source(folder / "fp8", untied), "moe": save_moe_source(folder / "moe"),
+            "gemma3": save_gemma3_source(folder / "gemma3")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +115,7 @@ def references(sources, tmp_path_factory, hf_home):
     """Chapter 01's first step (8 rows) from each source through transformers' from_pretrained."""
     out = tmp_path_factory.mktemp("references")
     steps = {}
-    for name in ["untied", "tied", "moe"]:
+    for name in ["untied", "tied", "moe", "gemma3"]:
         args = [*ARGS, "--batch-size", "8", "--model-name", str(sources[name]), "--from-pretrained"]
         run_chapter("01-single-gpu", *args, "--save-dir", str(out / name), hf_home=hf_home)
         steps[name] = read_metrics(out / name / "01-single-gpu")[1]
@@ -113,6 +125,7 @@ def references(sources, tmp_path_factory, hf_home):
 LAYOUTS = {  # chapter, ranks, source, flags: 8 rows in each step
     "04-hsdp-tied": ("04-fsdp", 4, "tied", ["--shard-size", "2", "--batch-size", "2"]),
     "05-fsdp-x-tp": ("05-tensor-parallel", 4, "untied", ["--tp-size", "2", "--batch-size", "4"]),
+    "05-gemma3-tp": ("05-tensor-parallel", 2, "gemma3", ["--tp-size", "2", "--batch-size", "8"]),
     "06-fp8-x-tp": ("06-fp8", 2, "untied", ["--tp-size", "2", "--fp8-emulate", "--batch-size", "8"]),
     "07-cp": ("07-context-parallel", 2, "untied", ["--cp-size", "2", "--batch-size", "8"]),
     "08-pp-x-fsdp": ("08-pipeline-parallel", 4, "untied", ["--pp-size", "2", "--batch-size", "2"]),
@@ -249,13 +262,10 @@ def test_a_rank_killed_during_the_export_leaves_nothing_that_looks_complete(sour
 def small_disk(tmp_path):
     """A 3 MiB file system: room for the ranks' shards of the tiny model in bf16 (1.8 MiB), not for
     them and the merged files."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mount = tmp_path / "small_disk"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], check=True)
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    from harness import small_disk
+
+    with small_disk(tmp_path / "small_disk", "3m") as mount:
+        yield mount
 
 
 def test_a_full_disk_during_the_merge_is_one_line_and_publishes_nothing(sources, small_disk, tmp_path, hf_home):
