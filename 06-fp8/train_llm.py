@@ -500,8 +500,7 @@ def export_hf(model, config, tokenizer, folder, dtype):
     """Writes a folder that `from_pretrained` and vLLM load, in `dtype`: each rank writes its own
     shards (DCP's Hugging Face writer), then every rank merges some of the published files from
     them, a tensor at a time (common.exporting); config and tokenizer beside them."""
-    shards = torchao_fp8.weights_only(get_model_state_dict(model))
-    state = common.published_state(model, shards, dtype)  # published names, published dtypes
+    state = common.published_state(model, torchao_fp8.weights_only(get_model_state_dict(model)), dtype)
     files = common.file_index(state)  # which tensor goes in which of the published files
     with common.exporting(folder, files) as tmp:  # merged, then published whole
         writer = HuggingFaceStorageWriter(str(tmp / "shards"), files, save_distributed=True)
