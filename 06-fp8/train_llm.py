@@ -41,6 +41,7 @@ from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
 import common
+import published  # beside this script (04's, carried by 05-09): published weights in and out
 import tp  # beside this script: the plan's checks, and other families' norms
 
 # After common, which quiets torchao's import-time lines; then this chapter's modules (same folder).
@@ -98,9 +99,9 @@ def main():
     with common.rank0_first(local=args.node_local_cache):
         config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
         # --from-pretrained: the published safetensors, downloaded once per node (or a folder's).
-        weights = common.pretrained_weights(args.model_name, config) if args.from_pretrained else None
+        weights = published.pretrained_weights(args.model_name, config) if args.from_pretrained else None
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
-    common.check_export_folder(args.export_hf, config)  # each rank writes its part there: shared?
+    published.check_export_folder(args.export_hf, config)  # each rank writes its part there: shared?
     # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
     tp.check_tp_size(args.tp_size, config, args.seq_length)  # whole heads and whole tokens per rank
@@ -328,10 +329,10 @@ def load_pretrained(model, folder):
     """--from-pretrained: each rank reads only its own slices of the published safetensors (DCP's
     Hugging Face reader: bf16 on disk copied into fp32 shards) and builds the buffers no file holds
     (rotary frequencies): no rank holds the whole model."""
-    common.build_buffers(model)
-    state = common.published_state(model, torchao_fp8.weights_only(get_model_state_dict(model)))
-    with common.loading_pretrained(folder):
-        dcp.load(state, storage_reader=common.weights_reader(folder))
+    published.build_buffers(model)
+    state = published.published_state(model, torchao_fp8.weights_only(get_model_state_dict(model)))
+    with published.loading_pretrained(folder):
+        dcp.load(state, storage_reader=published.weights_reader(folder))
 
 
 def send_full_weights(model, full_model, device):
@@ -499,14 +500,14 @@ def init_wandb(args, exp_dir, run_id):
 def export_hf(model, config, tokenizer, folder, dtype):
     """Writes a folder that `from_pretrained` and vLLM load, in `dtype`: each rank writes its own
     shards (DCP's Hugging Face writer), then every rank merges some of the published files from
-    them, a tensor at a time (common.exporting); config and tokenizer beside them."""
-    state = common.published_state(model, torchao_fp8.weights_only(get_model_state_dict(model)), dtype)
-    files = common.file_index(state)  # which tensor goes in which of the published files
-    with common.exporting(folder, files) as tmp:  # merged, then published whole
+    them, a tensor at a time (published.exporting); config and tokenizer beside them."""
+    state = published.published_state(model, torchao_fp8.weights_only(get_model_state_dict(model)), dtype)
+    files = published.file_index(state)  # which tensor goes in which of the published files
+    with published.exporting(folder, files) as tmp:  # merged, then published whole
         writer = HuggingFaceStorageWriter(str(tmp / "shards"), files, save_distributed=True)
         dcp.save(state, storage_writer=writer)  # this rank's shards
         if dist.get_rank() == 0:
-            common.published_config(config, dtype).save_pretrained(tmp)
+            published.published_config(config, dtype).save_pretrained(tmp)
             model.generation_config.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
     logger.info(f"Exported the model to {folder} in {dtype}")

@@ -1,6 +1,6 @@
 """What every chapter shares, one purpose per module: args (flags), data, model,
-activation_checkpointing, checkpoints, signals (stopping), distributed, logs (log lines,
-metrics.jsonl, wandb), timers (phases, stragglers), metrics (memory, FLOPs, the NaN guard)."""
+activation_checkpointing, checkpoints, async_checkpoints, signals (stopping), distributed, logs,
+timers (phases, stragglers), metrics (memory, FLOPs, the NaN guard)."""
 
 import logging
 
@@ -24,8 +24,6 @@ from common.logs import log_metrics, setup_logging, wandb_mode
 from common.metrics import NonFiniteGuard, flops_per_token, memory_stats, peak_bf16_flops
 from common.metrics import shard_memory
 from common.model import DEFAULT_MODEL, DEFAULT_MOE_MODEL, adamw_param_groups, check_compilable
-from common.model import load_config_and_tokenizer, published_config, transformer_blocks
-from common.published import build_buffers, check_export_folder, exporting, file_index
-from common.published import loading_pretrained, pretrained_weights, published_state, weights_reader
+from common.model import load_config_and_tokenizer, transformer_blocks
 from common.signals import StopSignal
 from common.timers import PhaseTimers

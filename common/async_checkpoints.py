@@ -1,4 +1,4 @@
-"""--async-checkpoints: DCP saves written beside training, one at a time, published when written."""
+"""--async-checkpoints: DCP saves beside training, one at a time."""
 
 import logging
 import time
@@ -18,10 +18,9 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncCheckpoints:
-    """--async-checkpoints: DCP saves beside training, one at a time: copied to CPU memory while the
-    next step computes, written, and published by rank 0 once every rank has written (a *.tmp folder
-    until then, which resume ignores). A save's error (a full disk) reaches training at the next
-    step or wait()."""
+    """Each save copied to CPU memory while the next step computes, written, and published by rank 0
+    once every rank has written (a *.tmp folder until then, which resume ignores). Its error (a
+    full disk) reaches training at the next step or wait()."""
 
     def __init__(self, timeout_minutes: float, device: torch.device, optimizer: Optimizer):
         # The write's collectives run beside training's: in a group of their own, on the CPU (gloo).

@@ -79,15 +79,12 @@ def saving(tmp_dir: Path, step: int):
         intact = "no earlier checkpoint exists"
         if previous is not None:
             intact = f"the checkpoint of step {int(previous.name.removeprefix('step-'))} is intact"
+        cause = f"no space left on the device of {tmp_dir.parent}"
+        fix = "free some space (or lower --keep-checkpoints)"
         if denied:
-            raise SystemExit(
-                f"error: cannot write {tmp_dir.parent} while saving step {step} ({first_line(err)}"
-                f"); {intact}: make --save-dir writable by every rank, then rerun to resume"
-            ) from None
-        raise SystemExit(
-            f"error: no space left on the device of {tmp_dir.parent} while saving step {step}; "
-            f"{intact}: free some space (or lower --keep-checkpoints), then rerun to resume"
-        ) from None
+            cause, fix = f"cannot write {tmp_dir.parent} ({first_line(err)})", "make it writable"
+        message = f"error: {cause} while saving step {step}; {intact}: {fix}, then rerun to resume"
+        raise SystemExit(message) from None
 
 
 def disk_full(err: BaseException, folder: Path) -> bool:

@@ -1,5 +1,4 @@
-"""What the user reads: log lines (above the progress bar), an error's first line, metrics.jsonl,
-wandb."""
+"""What the user reads: log lines (above the progress bar), errors' first lines, metrics, wandb."""
 
 import json
 import logging

@@ -1,7 +1,6 @@
 """The model: its config and tokenizer loaded with one clear error per way it can go wrong, its
 repeated blocks, and AdamW's groups of its parameters."""
 
-import copy
 import os
 from pathlib import Path
 
@@ -64,17 +63,6 @@ def load_config_and_tokenizer(model_name: str, seq_length: int):
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: {flag}: its tokenizer has no EOS token to end each document with")
     return config, tokenizer
-
-
-def published_config(config, dtype: torch.dtype):
-    """The config an export publishes: its weights' dtype, the class from_pretrained builds, and
-    no quantization (a block-FP8 start was dequantized as it was read)."""
-    config = copy.deepcopy(config)
-    config.dtype = dtype
-    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    return config
 
 
 def check_compilable(config, use_compile: bool) -> None:

@@ -158,6 +158,14 @@ def test_each_layout_starts_as_from_pretrained_and_exports_the_source(layout, so
     assert not list(tmp_path.glob("hf.*")), "a staging folder left behind"
 
 
+def test_chapters_05_to_09_carry_chapter_04s_published_py_unchanged():
+    """The lesson enters in chapter 04 and is carried unchanged: a forked chapter holds its copy."""
+    source = (REPO / "04-fsdp" / "published.py").read_bytes()
+    for chapter in ["05-tensor-parallel", "06-fp8", "07-context-parallel", "08-pipeline-parallel",
+                    "09-expert-parallel"]:  # fmt: skip
+        assert (REPO / chapter / "published.py").read_bytes() == source, chapter
+
+
 def test_block_fp8_weights_are_dequantized_as_each_rank_reads_them(sources, tmp_path, hf_home):
     """DeepSeek-V3's format: each rank's slices dequantized by DCP's quantized reader, its 128 x 128
     blocks' scales applied; exported in fp32, the weights are the dequantized ones, with no scales and

@@ -93,7 +93,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import common  # noqa: F401  (first: it quiets torchao's import-time lines)
-from common.published import EXPORT_FILE_BYTES
 
 # Which layers chapter 06 converts to FP8 is its own module's rule, beside its script; which blocks each of
 # chapter 08's pipeline stages holds, and how many stages a rank runs, its module's.
@@ -102,6 +101,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "08-pipeline-parall
 # Which modules hold a layer's stacked experts is chapter 09's rule, in its module.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "09-expert-parallel"))
 import experts  # noqa: E402
+from published import EXPORT_FILE_BYTES  # noqa: E402  (chapter 04's rule, 09's copy)
 import pipeline  # noqa: E402
 from torchao_fp8 import fp8_filter, local_linear  # noqa: E402
 
@@ -323,7 +323,7 @@ def expert_traffic(m: dict, layout: Layout, tokens: int, compute_bytes: int) -> 
 
 def export_files(m: dict) -> list[int]:
     """The bytes of each file --export-hf publishes: whole tensors in order, a new file once one
-    would pass EXPORT_FILE_BYTES (common.file_index's rule)."""
+    would pass EXPORT_FILE_BYTES (published.file_index's rule, chapters 04-09)."""
     files = [0]
     for numel in m["tensors"]:
         size = numel * m["dtype"].itemsize

@@ -1,5 +1,7 @@
-"""Published weights, in and out: where a model's safetensors are, the buffers no file holds, and an
-export folder that every rank writes and that appears whole or not at all."""
+"""Published weights in and out, each rank its own slices (chapter 04, where no rank holds the whole
+model any more; chapters 05-09 carry this file unchanged): where a model's safetensors are, the
+names and dtypes transformers publishes, the buffers no file holds, and an export folder that every
+rank writes and that appears whole or not at all."""
 
 import copy
 import glob
@@ -22,6 +24,7 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import (
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from common.checkpoints import disk_full, publish
 from common.logs import first_line
@@ -214,6 +217,17 @@ def exporting(folder: str, files: dict[str, int]):
         shutil.rmtree(tmp / "shards")
         publish(tmp, final)
     dist.barrier()
+
+
+def published_config(config, dtype: torch.dtype):
+    """The config an export publishes: its weights' dtype, the class from_pretrained builds, and
+    no quantization (a block-FP8 start was dequantized as it was read)."""
+    config = copy.deepcopy(config)
+    config.dtype = dtype
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
 
 
 def file_index(state: dict) -> dict[str, int]:
