@@ -215,7 +215,10 @@ def exporting(folder: str, files: dict[str, int]):
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(tmp / "shards")
+        if final.exists():  # an earlier export, moved aside, removed once this one is in place
+            os.replace(final, final.with_name(final.name + ".old"))
         publish(tmp, final)
+        shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
     dist.barrier()
 
 

@@ -37,20 +37,16 @@ def latest_checkpoint(exp_dir: Path) -> Path | None:
 
 
 def publish(tmp_dir: Path, final_dir: Path) -> None:
-    """`tmp_dir`, fully written, becomes `final_dir` (replacing it): flushed, then renamed (atomic:
-    a crash never leaves a partial folder under the final name)."""
+    """`tmp_dir`, fully written, becomes `final_dir`: flushed, then renamed (atomic: a crash never
+    leaves a partial folder under the final name)."""
     for path in [*tmp_dir.rglob("*"), tmp_dir]:
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-    old = final_dir.with_name(final_dir.name + ".old")
-    if final_dir.exists():
-        os.replace(final_dir, old)
     os.replace(tmp_dir, final_dir)
     fd = os.open(final_dir.parent, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def publish_checkpoint(tmp_dir: Path, final_dir: Path, keep: int) -> None:
@@ -68,7 +64,7 @@ def saving(tmp_dir: Path, step: int):
     save removed, earlier ones intact."""
     try:
         yield
-    except (OSError, RuntimeError, CheckpointException) as err:
+    except (OSError, RuntimeError, CheckpointException) as err:  # DCP's: no Exception subclass
         # DCP's error holds each rank's: a PermissionError among them is named in its text.
         denied = isinstance(err, PermissionError) or "PermissionError" in str(err)
         denied |= getattr(err, "errno", None) == errno.EROFS or "Read-only file system" in str(err)
@@ -88,8 +84,7 @@ def saving(tmp_dir: Path, step: int):
 
 
 def disk_full(err: BaseException, folder: Path) -> bool:
-    # A full disk is a RuntimeError ("iostream error") from torch.save, a CheckpointException from
-    # DCP (no Exception subclass: it must be named). The disk itself says whether it is full.
+    """Whether torch.save's RuntimeError or DCP's CheckpointException came of a full disk."""
     usage = shutil.disk_usage(folder)
     return getattr(err, "errno", None) == errno.ENOSPC or usage.free <= usage.total // 1000
 

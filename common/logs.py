@@ -12,8 +12,7 @@ import wandb
 logger = logging.getLogger(__name__)
 
 
-def first_line(err: BaseException) -> str:
-    """An exception as one line of an error message: its type and its first line."""
+def first_line(err: BaseException) -> str:  # an exception's type and its message's first line
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
