@@ -14,9 +14,9 @@ from common.activation_checkpointing import checkpoint_blocks
 from common.args import base_parser, non_negative_float, non_negative_int, positive_float
 from common.args import positive_int
 from common.async_checkpoints import AsyncCheckpoints
-from common.checkpoints import check_resume, check_save_dir, checkpoint_dir
-from common.checkpoints import check_shared_save_dir, latest_checkpoint, loading, publish_checkpoint
-from common.checkpoints import rng_state, saving, set_rng_state
+from common.checkpoints import check_resume, check_save_dir, check_shared_save_dir, checkpoint_dir
+from common.checkpoints import latest_checkpoint, loading, publish_checkpoint, rng_state, saving
+from common.checkpoints import set_rng_state
 from common.data import DEFAULT_DATASET, load_and_pack
 from common.distributed import destroy_process_group_and_exit, no_forward_buffer_sync
 from common.distributed import rank0_first, record

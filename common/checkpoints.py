@@ -17,8 +17,6 @@ from common.logs import first_line
 
 logger = logging.getLogger(__name__)
 
-_CHECKPOINT_NAME = re.compile(r"step-(\d+)")
-
 
 def checkpoint_dir(exp_dir: Path, step: int) -> Path:
     return exp_dir / "checkpoints" / f"step-{step:08d}"
@@ -27,7 +25,7 @@ def checkpoint_dir(exp_dir: Path, step: int) -> Path:
 def complete_checkpoints(exp_dir: Path) -> list[Path]:
     """Complete checkpoint folders, oldest first; unfinished saves (`*.tmp`) don't match."""
     folders = (exp_dir / "checkpoints").glob("step-*")
-    complete = [p for p in folders if _CHECKPOINT_NAME.fullmatch(p.name)]
+    complete = [p for p in folders if re.fullmatch(r"step-\d+", p.name)]
     return sorted(complete, key=lambda p: int(p.name.removeprefix("step-")))
 
 

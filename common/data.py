@@ -93,9 +93,7 @@ def _pack(data, split, dataset_name, tokenizer, seq_length):
     if "text" not in data.column_names:
         raise SystemExit(f"error: {flag} has no 'text' column (columns: {data.column_names})")
     if data.features["text"] != datasets.Value("string"):
-        raise SystemExit(
-            f"error: {flag}: its 'text' column holds {data.features['text']}, not text"
-        )
+        raise SystemExit(f"error: {flag}: its 'text' column holds {data.features['text']}, not str")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     # A worker takes about a second to start: only big datasets get several. Else this process maps
     # (None): num_proc=1 would run a forked pool of one and a manager process.

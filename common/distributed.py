@@ -46,10 +46,7 @@ def rank0_first(local: bool = False):
     while not store.check([key]):
         time.sleep(0.1)
         if time.monotonic() - start > report:
-            logger.warning(
-                f"Waiting {report // 60} min so far for rank {first} "
-                "(downloading, preparing the data)"
-            )
+            logger.warning(f"Waiting {report // 60} min so far for rank {first} (downloads, data)")
             report += 600
     status = store.get(key).decode()
     if status.startswith("error:"):

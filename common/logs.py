@@ -63,10 +63,7 @@ def wandb_mode() -> str | None:
     if os.environ.get("WANDB_MODE"):
         return None  # wandb reads it itself
     if not wandb.login(prompt=False, verify=False):
-        logger.info(
-            "No W&B login found: logging offline. Upload later with `wandb sync`, or `wandb login` "
-            "first."
-        )
+        logger.info("No W&B login found: logging offline (`wandb login` first, `wandb sync` later)")
         return "offline"
     try:
         wandb.Api(timeout=10).viewer  # one request: does the server answer?

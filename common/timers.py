@@ -82,6 +82,7 @@ class Stragglers:
     collectives, else DDP's collective-free forward; backward has collectives under both)."""
 
     PHASES = ("data", "forward", "backward", "optimizer", "compute")
+    KEYS = ("rank", "host", "work_ms", "median_work_ms", "slow_log_steps")  # straggler/<key>
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -118,10 +119,5 @@ class Stragglers:
                 f"step, {work[slowest] / median:.1f}x the median rank's {median:.1f} ms (data "
                 f"{data[slowest]:.1f}, compute {compute[slowest]:.1f}). Likely {cause}. See {SEE}"
             )
-        return {
-            "straggler/rank": slowest,
-            "straggler/host": self.hosts[slowest],
-            "straggler/work_ms": work[slowest],
-            "straggler/median_work_ms": median,
-            "straggler/slow_log_steps": self.streak,
-        }
+        values = [slowest, self.hosts[slowest], work[slowest], median, self.streak]
+        return dict(zip([f"straggler/{key}" for key in self.KEYS], values))
