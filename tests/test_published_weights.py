@@ -27,40 +27,36 @@ MIB = 2**20
 MARGIN = 48 * MIB  # the allocator's and the process group's own, above a rank's shard and one tensor
 
 
-def save_source(folder, tied=False, vocab=515, layers=4):
-    """The tiny Llama's shape, seeded weights in bf16 in files of at most 400 KB, its tokenizer."""
-    config = AutoConfig.from_pretrained(TINY)
-    config.vocab_size, config.tie_word_embeddings, config.num_hidden_layers = vocab, tied, layers
+def save_seeded(config, folder, max_shard_size="400KB"):
+    """`config`'s model, seeded weights in bf16 in files of at most `max_shard_size`, with the tiny
+    default's tokenizer: a folder as the Hub publishes one."""
     torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder, max_shard_size="400KB")
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder, max_shard_size=max_shard_size)
     for name in ["tokenizer.json", "tokenizer_config.json"]:
         shutil.copy(TINY / name, folder / name)
     return folder
+
+
+def save_source(folder, tied=False, vocab=515, layers=4):
+    """The tiny Llama's shape, tied or not, at a vocabulary TP splits unevenly (515) or evenly."""
+    config = AutoConfig.from_pretrained(TINY)
+    config.vocab_size, config.tie_word_embeddings, config.num_hidden_layers = vocab, tied, layers
+    return save_seeded(config, folder)
 
 
 def save_moe_source(folder):
     """The tiny Qwen3-MoE (8 experts per block, no balancing loss asked for: chapter 09 runs with
-    --aux-loss-coef 0, the same objective as the others), seeded weights in bf16, each expert's own
-    tensors, as save_pretrained publishes them."""
-    config = AutoConfig.from_pretrained(REPO / "common" / "tiny_moe")
-    torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder, max_shard_size="400KB")
-    for name in ["tokenizer.json", "tokenizer_config.json"]:
-        shutil.copy(TINY / name, folder / name)
-    return folder
+    --aux-loss-coef 0, the same objective as the others), each expert's own tensors, as
+    save_pretrained publishes them."""
+    return save_seeded(AutoConfig.from_pretrained(REPO / "common" / "tiny_moe"), folder)
 
 
 def save_gemma3_source(folder):
     """A tiny Gemma 3 (tests/model_families.py's): its embedding's scale, a buffer no file holds,
-    which TP makes a DTensor; seeded weights in bf16 in two files."""
+    which TP makes a DTensor; in two files."""
     from model_families import config
 
-    torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(config("gemma3_text"), dtype=torch.bfloat16).save_pretrained(
-        folder, max_shard_size="200KB")  # fmt: skip
-    for name in ["tokenizer.json", "tokenizer_config.json"]:
-        shutil.copy(TINY / name, folder / name)
-    return folder
+    return save_seeded(config("gemma3_text"), folder, max_shard_size="200KB")
 
 
 def quantize_blocks(weight, block=128):
