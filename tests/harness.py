@@ -263,6 +263,21 @@ def exit_name(code: int) -> str:
     return f"exitcode {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
 
 
+def oom_kill(pid: int) -> str:
+    """Whether the kernel's OOM killer ended `pid`, from its log where this user may read it (root, as in
+    CI): a rank it kills dies by SIGKILL with no traceback, its peers see a closed connection."""
+    try:
+        log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        log = ""
+    kills = [line for line in log.splitlines() if "Killed process" in line]
+    mine = [line for line in kills if f"Killed process {pid} " in line]
+    available = f"{psutil.virtual_memory().available / 2**30:.1f} GiB available now"
+    if mine:
+        return f"killed by the kernel's OOM killer: {mine[-1].strip()}; {available}"
+    return f"not by the OOM killer ({len(kills)} kills in the kernel's log, none of it{'' if log else ': not readable'})"
+
+
 def rank_ends(codes: list[int], ended: list[float], pids: list[int], stderrs: list[str], chars: int = 3000) -> str:
     """How each forked rank ended, first failure first (as torchrun's summary puts its root cause), each
     with its exit code or signal, when, and the last `chars` it wrote to stderr: the rank that failed
@@ -273,6 +288,8 @@ def rank_ends(codes: list[int], ended: list[float], pids: list[int], stderrs: li
     for rank in order:
         when = "first to fail" if codes[rank] and ended[rank] == first else f"{ended[rank] - first:+.2f} s from it"
         head = f"rank {rank} (local_rank {rank}, pid {pids[rank]}): {exit_name(codes[rank])}, {when}"
+        if codes[rank] == -signal.SIGKILL:
+            head += f" ({oom_kill(pids[rank])})"
         # A progress bar's last state (tqdm redraws after \r); not faulthandler's list of C extensions
         # (6 KB), which ends its stacks.
         lines = [line.rsplit("\r", 1)[-1] for line in stderrs[rank].splitlines()]

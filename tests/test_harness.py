@@ -111,3 +111,19 @@ def test_a_forked_run_reports_the_rank_that_failed_first(tmp_path, hf_home):
     assert 'faults.py", line' in current and "in before_step" in current, ends[1]
     assert ends[2].startswith("rank 0 (local_rank 0, pid ") and " s from it; " in ends[2].splitlines()[0]
     assert "before_step" not in ends[2], ends[2]  # each rank's own lines
+
+
+def test_a_rank_killed_by_sigkill_says_whether_the_oom_killer_did_it(monkeypatch):
+    """A rank ended by SIGKILL (what the kernel's OOM killer sends: no traceback, its peers see a closed
+    connection) is reported first, with the kernel's line that names its pid, or that none does."""
+    import harness
+
+    log = "[ 4300.7] Out of memory: Killed process 101 (python) total-vm:24098784kB, anon-rss:15730308kB\n"
+    dmesg = subprocess.CompletedProcess(["dmesg"], 0, stdout=log)
+    monkeypatch.setattr(harness.subprocess, "run", lambda *args, **kwargs: dmesg)
+    report = harness.rank_ends([1, -9], [12.0, 10.5], [100, 101], ["Connection closed by peer", ""]).splitlines()
+    assert report[0].startswith("--- rank 1 (local_rank 1, pid 101): exitcode -9 (SIGKILL), first to fail"), report
+    assert "killed by the kernel's OOM killer: [ 4300.7] Out of memory: Killed process 101 (python)" in report[0]
+    assert report[1] == "--- rank 0 (local_rank 0, pid 100): exitcode 1, +1.50 s from it; the last of its stderr:"
+    report = harness.rank_ends([1, -9], [12.0, 10.5], [100, 102], ["", ""]).splitlines()
+    assert "(not by the OOM killer (1 kills in the kernel's log, none of it))" in report[0], report
