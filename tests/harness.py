@@ -275,7 +275,9 @@ def oom_kill(pid: int) -> str:
     available = f"{psutil.virtual_memory().available / 2**30:.1f} GiB available now"
     if mine:
         return f"killed by the kernel's OOM killer: {mine[-1].strip()}; {available}"
-    return f"not by the OOM killer ({len(kills)} kills in the kernel's log, none of it{'' if log else ': not readable'})"
+    if not log:
+        return f"whether by the kernel's OOM killer cannot be told: its log is not readable here; {available}"
+    return f"not by the OOM killer ({len(kills)} kills in the kernel's log, none of it)"
 
 
 def rank_ends(codes: list[int], ended: list[float], pids: list[int], stderrs: list[str], chars: int = 3000) -> str:

@@ -127,3 +127,10 @@ def test_a_rank_killed_by_sigkill_says_whether_the_oom_killer_did_it(monkeypatch
     assert report[1] == "--- rank 0 (local_rank 0, pid 100): exitcode 1, +1.50 s from it; the last of its stderr:"
     report = harness.rank_ends([1, -9], [12.0, 10.5], [100, 102], ["", ""]).splitlines()
     assert "(not by the OOM killer (1 kills in the kernel's log, none of it))" in report[0], report
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError("dmesg: read kernel buffer failed: Operation not permitted")
+
+    monkeypatch.setattr(harness.subprocess, "run", unreadable)
+    report = harness.rank_ends([-9], [1.0], [101], [""]).splitlines()
+    assert "(whether by the kernel's OOM killer cannot be told: its log is not readable here;" in report[0], report
