@@ -233,7 +233,8 @@ def main():
 
 
 def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device):
-    """One optimizer step on --grad-accum-steps micro-batches: loss and gradient norm, on device."""
+    """Every rank calls this: one optimizer step on --grad-accum-steps micro-batches: loss and
+    gradient norm, on device."""
     step_loss = 0.0
     for micro_step in range(args.grad_accum_steps):
         # DDP all-reduces every backward unless told not to: earlier micro-steps only add locally.
@@ -315,8 +316,9 @@ def export_hf(model, config, tokenizer, folder, dtype):
 
 
 def evaluate(model, val_data, args, device, autocast, dp_size, dp_rank) -> float:
-    """The mean loss over the first --eval-batches global batches of the validation rows, without
-    gradients. It draws no random numbers, so training after it goes on exactly as without it."""
+    """Every rank calls this: the mean loss over the first --eval-batches global batches of the
+    validation rows, without gradients. It draws no random numbers, so training after it goes on
+    exactly as without it."""
     global_batch = dp_size * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
     # Each dp rank takes every dp_size-th row; the sum of the batches' mean losses is all-reduced.

@@ -37,7 +37,8 @@ class Float8Stats:
         self.handles, self.values, self.step = [], {}, None
 
     def start(self, *, step: int) -> None:
-        """Measures the weights and hooks the layers, if optimizer step number `step` is due."""
+        """Every rank calls this: measures the weights and hooks the layers, if optimizer step
+        number `step` is due."""
         if not self.every or step % self.every:
             return
         self.step = step
@@ -46,6 +47,9 @@ class Float8Stats:
         for name, module in self.layers.items():
             # The weights this step multiplies by. With FP8 all-gathers, FSDP casts each shard with the
             # scale precomputed for the whole weight.
+            # The wrapper's private _precomputed_scale, checked on torchao 0.18. If it moves: no
+            # error: --fp8-stats-every measures the weights with scales of their own, not the
+            # cast's: read the attribute that the wrapper's __tensor_flatten__() now names.
             precomputed = getattr(_local(module.weight), "_precomputed_scale", None)
             self._measure(f"{name}/weight", module.weight, module.config.cast_config_weight, module, precomputed)
         for name, module in self.layers.items():
@@ -55,7 +59,8 @@ class Float8Stats:
             self.handles.append(module.register_forward_hook(self._output_hook(name), prepend=True))
 
     def stop(self) -> dict[str, float] | None:
-        """The statistics of the step `start` hooked, with its "step"; None after any other step."""
+        """Every rank calls this: the statistics of the step `start` hooked, with its "step"; None
+        after any other step."""
         step, self.step = self.step, None
         if step is None:
             return None

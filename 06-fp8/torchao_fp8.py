@@ -12,6 +12,9 @@ import collections
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+# In torchao.float8's __all__, checked on torchao 0.18. If it moves: chapter 06 and tools.plan fail
+# at import: use torchao's renamed filter, or keep every layer FP8 can multiply (fp8_able, as
+# --fp8-layers all does).
 from torchao.float8 import _auto_filter_for_recipe  # torchao's public filter, despite the underscore
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
@@ -62,6 +65,9 @@ def setup(args, device, use_compile: bool) -> bool:
     args.fp8_layers = args.fp8_layers or ("all" if args.fp8_emulate else "fast")
     use_compile = use_compile and not (args.fp8_emulate and device.type == "cuda")  # Triton's FP8 casts need sm89
     # Inductor may fuse an RMSNorm into a rowwise cast without rounding to bf16 between: NaNs (pytorch#150859).
+    # torch._inductor.config: private, checked on torch 2.11-2.14. If it moves: chapter 06 with
+    # --fp8-recipe rowwise, compiled, stops at start with AttributeError: drop the line if that
+    # torch fixed pytorch#150859, else set the option's new name.
     if args.fp8_recipe == "rowwise" and use_compile:
         torch._inductor.config.emulate_precision_casts = True
     return use_compile
@@ -156,6 +162,13 @@ def fp8_left_out(args) -> str:
     return f"dimensions not multiples of 16 at --tp-size {args.tp_size}"
 
 
+# The state_dict key torch gives a module's get_extra_state() (TE's layers' FP8 metadata): torch's
+# private _EXTRA_STATE_KEY_SUFFIX, checked on torch 2.11-2.14. If it moves: TE's metadata goes into
+# checkpoints and exports, and a run no longer resumes the other backend's checkpoints ("Missing
+# key"): match the new key.
+EXTRA_STATE = "_extra_state"
+
+
 def weights_only(model_state: dict) -> dict:
     """The model's state without TE's extra state (FP8 scaling metadata, empty with current scaling):
     a run resumes a checkpoint of either backend, and the export holds HF's weights alone.
@@ -166,11 +179,14 @@ def weights_only(model_state: dict) -> dict:
     whatever the new memory held, silently (TransformerEngine#2721 is the same bug for TE's FP8 tensors)."""
     state = {}
     for name, value in model_state.items():
+        # The wrapper's private _tensor, checked on torchao 0.18. If it moves: saves with FP8
+        # all-gathers fail with AttributeError in weights_only: take the inner tensor that the
+        # wrapper's __tensor_flatten__() names.
         if isinstance(value, DTensor) and isinstance(value.to_local(), WeightWithDynamicFloat8CastTensor):
             spec = {"shape": value.shape, "stride": value.stride(), "run_check": False}
             value = DTensor.from_local(value.to_local()._tensor, value.device_mesh, value.placements, **spec)
         elif isinstance(value, WeightWithDynamicFloat8CastTensor):
             value = value._tensor
-        if not name.endswith("_extra_state"):
+        if not name.endswith(EXTRA_STATE):
             state[name] = value
     return state

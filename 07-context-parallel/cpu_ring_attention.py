@@ -7,15 +7,14 @@ so the chapter could not run, nor be tested, on a CPU. `register` hands that ker
 to the same ring torch runs on GPUs (`_templated_ring_attention` and its backward): the same key/value
 rotation, the same load balancing, the same merge of the partial results by their logsumexp.
 
-It leans on private names of the pinned torch (2.13): the module
+It leans on private names of torch (DIAGNOSING.md, "Private APIs the chapters lean on"): the module
 `torch.distributed.tensor.experimental._context_parallel._attention`, its `custom_ops` table (which
-context_parallel installs as DTensor's op handlers while it is active) and the two ring functions.
-A torch that renames them fails here, at import, on the CPU only.
+context_parallel installs as DTensor's op handlers while it is active) and the two ring functions,
+imported by `register` on a CPU only: a torch that renames them fails there, and GPUs never notice.
 """
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.experimental._context_parallel import _attention
 
 aten = torch.ops.aten
 SEQ_DIM = 2  # SDPA's (batch, heads, sequence, head_dim)
@@ -25,12 +24,21 @@ def register(device: torch.device) -> None:
     """Makes the CPU's SDPA kernel and its backward run as ring attention inside context_parallel."""
     if device.type != "cpu":
         return
+    # Private, checked on torch 2.11-2.14. If it moves: chapter 07 on a CPU (its tests, tools.memory
+    # --cp-size) fails at start, GPUs are unaffected: find the ring's new module, or run chapter 07
+    # on GPUs only.
+    global _attention
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
     _attention.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu.default] = _ring_forward
     _attention.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = _ring_backward
 
 
 def _local(op, args, kwargs):
     """The op's arguments by name, DTensors as their local shards, and the cp mesh they live on."""
+    # OpOverload's private _schema, checked on torch 2.11-2.14. If it moves: chapter 07 on a CPU
+    # fails at its first attention: write the two CPU kernels' argument names out in
+    # cpu_ring_attention._local.
     named = {arg.name: value for arg, value in zip(op._schema.arguments, args)} | kwargs
     mesh = next(value.device_mesh for value in named.values() if isinstance(value, DTensor))
     named = {name: value.to_local() if isinstance(value, DTensor) else value for name, value in named.items()}

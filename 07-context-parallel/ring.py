@@ -44,6 +44,9 @@ def check_model(model, args):
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     # torch's ring takes no attention dropout (GPT-2's default: 0.1): it fails deep inside, on a DTensor.
     dropout = [f"{k} {getattr(config, k)}" for k in ("attention_dropout", "attn_pdrop") if getattr(config, k, 0)]
+    # PreTrainedConfig's private _attn_implementation, checked on transformers 5.0-5.24. If it
+    # moves: chapter 07 with --cp-size above 1 fails at start with AttributeError: read the new
+    # getter.
     problem = (
         f"its attention is {config._attn_implementation!r}, not SDPA" if config._attn_implementation != "sdpa"
         else f"it has {', '.join(sorted(other_layers))} layers" if other_layers

@@ -99,7 +99,7 @@ def main():
         # --from-pretrained: the published safetensors, downloaded once per node (or a folder's).
         weights = published.pretrained_weights(args.model_name, config) if args.from_pretrained else None
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
-    published.check_export_folder(args.export_hf, config)  # each rank writes its part there: shared?
+    published.agree_on_export_folder(args.export_hf, config, args.model_name)  # new, seen by all
     # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
@@ -277,7 +277,8 @@ def main():
 
 
 def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device, cp_mesh):
-    """One optimizer step on --grad-accum-steps micro-batches: loss and gradient norm, on device."""
+    """Every rank calls this: one optimizer step on --grad-accum-steps micro-batches: loss and
+    gradient norm, on device."""
     step_loss = 0.0
     for micro_step in range(args.grad_accum_steps):
         # FSDP reduce-scatters micro-step gradients into the sharded sum: DDP's no-sync would keep a
@@ -285,10 +286,10 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
         model.set_requires_all_reduce(micro_step == args.grad_accum_steps - 1)
         # Attention is ring attention from forward to the end of backward, which passes the keys'
         # and values' gradients around the ring too: entered here, closed after backward.
-        ring = contextlib.ExitStack()
+        in_ring = contextlib.ExitStack()
         with timers("data"):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            batch = ring.enter_context(shard_sequences(batch, cp_mesh["cp"]))
+            batch = in_ring.enter_context(shard_sequences(batch, cp_mesh["cp"]))
 
         with timers("forward"), autocast():
             # No KV cache: only generation needs it; its per-layer state makes compile recompile.
@@ -297,7 +298,7 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
 
         with timers("backward"):
             loss.backward()
-        ring.close()
+        in_ring.close()
         step_loss += loss.detach()
     # Each rank trained on other rows: the job's loss is their mean (one number, no GPU wait).
     dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
@@ -317,9 +318,9 @@ def build_model(args, config):
 
 
 def load_pretrained(model, folder):
-    """--from-pretrained: each rank reads only its own slices of the published safetensors (DCP's
-    Hugging Face reader: bf16 on disk copied into fp32 shards) and builds the buffers no file holds
-    (rotary frequencies): no rank holds the whole model."""
+    """Every rank calls this: --from-pretrained: each rank reads only its own slices of the
+    published safetensors (DCP's Hugging Face reader: bf16 on disk copied into fp32 shards) and
+    builds the buffers no file holds (rotary frequencies): no rank holds the whole model."""
     published.build_buffers(model)
     state = published.published_state(model, get_model_state_dict(model))
     with published.loading_pretrained(folder):
@@ -327,7 +328,8 @@ def load_pretrained(model, folder):
 
 
 def send_full_weights(model, full_model, device):
-    """Rank 0's full weights (`full_model`, else None), sent per tensor into every rank's shards."""
+    """Every rank calls this: rank 0's full weights (`full_model`, else None), sent per tensor into
+    every rank's shards."""
     rank = dist.get_rank()
     full_state = full_model.state_dict() if rank == 0 else {}
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -432,11 +434,12 @@ def init_wandb(args, exp_dir, run_id):
 
 
 def export_hf(model, config, tokenizer, folder, dtype):
-    """Writes a folder that `from_pretrained` and vLLM load, in `dtype`: each rank writes its own
-    shards (DCP's Hugging Face writer), then every rank merges some of the published files from
-    them, a tensor at a time (published.exporting); config and tokenizer beside them."""
+    """Every rank calls this: writes a folder that `from_pretrained` and vLLM load, in `dtype`: each
+    rank writes its own shards (DCP's Hugging Face writer), then every rank merges some of the
+    published files from them, a tensor at a time (published.exporting); config and tokenizer beside
+    them."""
     state = published.published_state(model, get_model_state_dict(model), dtype)  # names and dtypes
-    files = published.file_index(state)  # which tensor goes in which of the published files
+    files = published.agree_on_file_index(state)  # which tensor goes in which published file
     with published.exporting(folder, files) as tmp:  # merged, then published whole
         writer = HuggingFaceStorageWriter(str(tmp / "shards"), files, save_distributed=True)
         dcp.save(state, storage_writer=writer)  # this rank's shards
@@ -448,8 +451,9 @@ def export_hf(model, config, tokenizer, folder, dtype):
 
 
 def evaluate(model, val_data, args, device, autocast, dp_size, dp_rank, cp_mesh) -> float:
-    """The mean loss over the first --eval-batches global batches of the validation rows, without
-    gradients. It draws no random numbers, so training after it goes on exactly as without it."""
+    """Every rank calls this: the mean loss over the first --eval-batches global batches of the
+    validation rows, without gradients. It draws no random numbers, so training after it goes on
+    exactly as without it."""
     global_batch = dp_size * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
     # Each dp rank takes every dp_size-th row; the sum of the batches' mean losses is all-reduced.
@@ -467,8 +471,9 @@ def evaluate(model, val_data, args, device, autocast, dp_size, dp_rank, cp_mesh)
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):
-    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position.
-    With `async_saves`, returns once the CPU copy starts: written and published beside training."""
+    """Every rank calls this: everything exact resume needs: weights, optimizer moments, LR
+    schedule, RNG, data position. With `async_saves`, returns once the CPU copy starts: written and
+    published beside training."""
     final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
     # Written to a .tmp name, renamed when done: a crash mid-save leaves nothing resume would trust.
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
@@ -496,6 +501,8 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
 
 
 def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
+    """Every rank calls this: its shards loaded in place (DCP reshards them for this run's ranks),
+    and the schedule, the RNG and the data position as rank 0 saved them."""
     with common.loading(checkpoint):
         # DCP loads in place into this run's shards, whatever the number of ranks that saved them.
         model_state, optimizer_state = get_state_dict(model, optimizer)

@@ -27,11 +27,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoModelForCausalLM
 
+import common
+
 logger = logging.getLogger(__name__)
 
 # The norm of the experts' gradients, on their 2-D (efsdp, ep) mesh, is two all-reduces of one
 # number each; DTensor warns at every step that one would do (on a flattened mesh). Not worth a
 # flattened mesh.
+# Its logger's name is private, checked on torch 2.11-2.14. If it moves: no error, the warning comes
+# back at every step: quiet the logger of the module that then warns.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 # grouped_mm on the CPU reads its operands in 16-byte steps: every width of an expert's weights must
@@ -44,12 +48,6 @@ BIAS_UPDATE_RATE = 1e-3
 ROUTING_BIASES = ("e_score_correction_bias", "expert_bias")
 # The balancing loss's weight above which it outweighs the model's own loss (published: 0.001-0.02).
 MAX_AUX_LOSS_COEF = 1.0
-
-
-def experts_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules holding stacked experts: `experts` children counting `num_experts`, in order."""
-    modules = model.named_modules()
-    return [m for name, m in modules if name.endswith(".experts") and hasattr(m, "num_experts")]
 
 
 def check_layout(args, world_size: int, shard_size: int) -> None:
@@ -73,7 +71,7 @@ def check_config(config, args, dtype: torch.dtype) -> None:
 def check_model(model: nn.Module, args, dtype: torch.dtype) -> list[nn.Module]:
     """The model's experts modules, or one line naming what expert parallelism cannot take."""
     flag = f"--model-name {model.config.name_or_path!r} ({model.config.model_type})"
-    layers = [m for name, m in model.named_modules() if name.rpartition(".")[2] == "experts"]
+    layers = common.experts_modules(model)
     classes = [type(m).__name__ for m in model.modules()]
     moe = [name for name in classes if re.search("(moe|moeblock|experts)$", name, re.IGNORECASE)]
     if not layers and moe:  # a mixture of experts of its own kind (Doge's: experts as embeddings)
@@ -112,6 +110,9 @@ def check_model(model: nn.Module, args, dtype: torch.dtype) -> list[nn.Module]:
             )
         step = GROUPED_MM_ALIGNMENT // dtype.itemsize
         widths = {width for param in module.parameters(recurse=False) for width in param.shape[1:]}
+        # The config's private _experts_implementation, checked on transformers 5.0-5.24. If it
+        # moves: no error here, but widths grouped_mm refuses fail at the first step: read
+        # model.get_experts_implementation()[""] (transformers 5.17 and later).
         grouped = getattr(model.config, "_experts_implementation", None) == "grouped_mm"
         if grouped and any(width % step for width in widths):
             raise SystemExit(
@@ -163,6 +164,9 @@ def check_balancing(model: nn.Module, args, flag: str) -> None:
             f"error: --aux-loss-coef {coef}: {flag} computes no balancing loss (its config has no "
             "router_aux_loss_coef); pass 0, or balance its routing biases with --bias-update-rate"
         )
+    # PreTrainedModel's private _can_record_outputs, checked on transformers 5.0-5.24. If it moves:
+    # every mixture of experts is refused with --aux-loss-coef above 0 ("collects no router
+    # logits"): read what transformers then records outputs by.
     recorded = [getattr(m, "_can_record_outputs", None) or {} for m in model.modules()]
     on = getattr(config, "router_aux_loss_coef", 0) if coef is None else coef
     if on and not any("router_logits" in names for names in recorded):  # GraniteMoE in 5.17
@@ -177,7 +181,7 @@ def check_balancing(model: nn.Module, args, flag: str) -> None:
             "model's own (published models weigh it 0.001 to 0.02), and overflow its gradients: "
             f"pass at most {MAX_AUX_LOSS_COEF}"
         )
-    if args.bias_update_rate and not any(routing_biases(model, experts_modules(model))):
+    if args.bias_update_rate and not any(routing_biases(model, common.experts_modules(model))):
         raise SystemExit(
             f"error: --bias-update-rate {args.bias_update_rate}: {flag}'s routers carry no "
             f"routing bias (DeepSeek-V3's {ROUTING_BIASES[0]}) to move; pass 0, or balance it with "
@@ -203,9 +207,9 @@ def set_balancing_loss(config, args) -> None:
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """torch's clip_grad_norm_, over gradients on two meshes (the dense one and the experts'), which
-    it refuses ("must have the same mesh"): the norm of each mesh's gradients, combined; then each
-    scaled."""
+    """Every rank calls this: torch's clip_grad_norm_, over gradients on two meshes (the dense one
+    and the experts'), which it refuses ("must have the same mesh"): the norm of each mesh's
+    gradients, combined; then each scaled."""
     by_mesh = {}
     for param in parameters:
         if param.grad is not None:
@@ -262,11 +266,11 @@ def last_load(layers: list[nn.Module]) -> torch.Tensor:
 
 
 def update_load(layers: list[nn.Module], step_load: torch.Tensor) -> None:
-    """After each optimizer step: the step's load summed over all ranks (each counted the tokens it
-    sent), kept for the log line; and DeepSeek-V3's auxiliary-loss-free balancing: each layer's
-    routing bias moved toward even loads, up by the rate for the experts below the mean load, down
-    for those above (torchtitan's update: the sign of each one's deficit, centred). Every rank moves
-    it the same, from the same counts."""
+    """Every rank calls this: after each optimizer step: the step's load summed over all ranks (each
+    counted the tokens it sent), kept for the log line; and DeepSeek-V3's auxiliary-loss-free
+    balancing: each layer's routing bias moved toward even loads, up by the rate for the experts
+    below the mean load, down for those above (torchtitan's update: the sign of each one's deficit,
+    centred). Every rank moves it the same, from the same counts."""
     step_load = step_load.float()
     dist.all_reduce(step_load)
     for module, load in zip(layers, step_load):

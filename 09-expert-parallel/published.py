@@ -4,8 +4,11 @@ names and dtypes transformers publishes, the buffers no file holds, and an expor
 rank writes and that appears whole or not at all."""
 
 import copy
+import ctypes
+import errno
 import glob
 import json
+import math
 import os
 import re
 import secrets
@@ -16,22 +19,30 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from huggingface_hub import snapshot_download
+from safetensors import safe_open
 from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
 from torch.distributed.checkpoint import QuantizedHuggingFaceStorageReader
+# Private, checked on torch 2.11-2.14. If it moves: every chapter from 04 fails at import: import it
+# from its new module, or export with HuggingFaceStorageWriter(enable_consolidation=True), which
+# merges on rank 0 alone.
 from torch.distributed.checkpoint._consolidate_hf_safetensors import (
-    consolidate_safetensors_files_on_every_rank,  # the one merge torch has: private in 2.11-2.13
+    consolidate_safetensors_files_on_every_rank,  # the one merge torch spreads over the ranks
 )
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from common.checkpoints import disk_full, publish
+from common.checkpoints import disk_full, flush, publish
 from common.logs import first_line
 
 # What a start reads of a Hub model: the weights as safetensors, the configs, the tokenizer's files.
 PUBLISHED_FILES = ["*.safetensors", "*.json", "*.model", "*.txt", "*.tiktoken"]
-EXPORT_FILE_BYTES = 5 * 2**30  # a file per 5 GB, as the Hub's large models are published
+# A file per 5 GB, as the Hub's large models are published; EXPORT_FILE_BYTES in the environment
+# sets another size (the tests' several files from a tiny model).
+EXPORT_FILE_BYTES = int(os.environ.get("EXPORT_FILE_BYTES", 5 * 2**30))
+# What an export wrote, written last: the files a later export may replace, and nothing else.
+MANIFEST = "export_manifest.json"
 
 
 def pretrained_weights(model_name: str, config) -> Path:
@@ -70,6 +81,9 @@ def published_state(model: torch.nn.Module, state: dict, dtype=None) -> dict:
             published[name] = None if name in tied else (name, value)
             continue
         local = value.to_local() if isinstance(value, DTensor) else value
+        # DTensor's private __create_chunk_list__, checked on torch 2.11-2.14. If it moves:
+        # --from-pretrained and --export-hf of a mixture of experts fail with AttributeError here:
+        # take the shard's offset from what DCP's planner then asks a DTensor.
         first = value.__create_chunk_list__()[0].offsets[0] if isinstance(value, DTensor) else 0
         for expert, weights in enumerate(local, start=first):  # (2I, H): gate's rows, then up's
             for source, part in zip(sources, weights.chunk(len(sources))):
@@ -95,6 +109,9 @@ def _conversions(model_type: str) -> tuple[list, list]:
         sources, (target,) = conversion.source_patterns, conversion.target_patterns
         if not ops and not re.search(r"[][()*+?^$|]", sources[0].replace("\\.", "")):
             renames.insert(0, (sources[0].replace("\\", ""), target))
+        # transformers' conversion ops by class name, checked on transformers 5.0-5.24. If they
+        # move: --from-pretrained and --export-hf of a mixture of experts stop in one line
+        # ("converts ... in a way the chapters cannot name"): add the new op names here.
         elif ops in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]):
             stacked.append((target.lstrip("."), [source.lstrip(".") for source in sources]))
         else:
@@ -127,6 +144,9 @@ def build_buffers(model: torch.nn.Module) -> None:
     saved = set(model.state_dict())
     unsaved = {name: b for name, b in model.named_buffers() if name not in saved}
     owners = {model.get_submodule(name.rpartition(".")[0]) for name in unsaved}
+    # transformers' private _is_hf_initialized, checked on transformers 5.0-5.24. If it moves:
+    # --from-pretrained initializes every weight before reading it (slow), or leaves a buffer NaN
+    # (then one line below): set the flag initialize_weights() then reads.
     for module in model.modules():  # transformers skips what it marks initialized
         module._is_hf_initialized = module not in owners
     for param in model.parameters():
@@ -150,6 +170,8 @@ def loading_pretrained(folder: Path):
         yield
     except (Exception, CheckpointException) as err:
         lines = [line.strip() for line in str(err).splitlines()]  # DCP's: each rank's traceback
+        # DCP's error texts, checked on torch 2.11-2.14. If they move: another model's folder shows
+        # as the error's first line instead of one naming the tensor: match the new texts.
         known = ("RuntimeError: Missing key", "ValueError: Size mismatch")
         cause = next((line.split(": ", 1)[1] for line in lines if line.startswith(known)), None)
         raise SystemExit(
@@ -158,16 +180,22 @@ def loading_pretrained(folder: Path):
         ) from None
 
 
-def check_export_folder(folder: str | None, config) -> None:
-    """Before training: --export-hf (if given) must be a new folder (or an earlier export, which it
-    replaces) that every rank sees, as each writes its part there and each merges some of the
-    files; and the family's published names must be known (_conversions)."""
+def agree_on_export_folder(folder: str | None, config, model_name: str) -> None:
+    """Every rank calls this, before training (a broadcast, barriers, an all-gather): --export-hf
+    (if given) must be a new folder, or an earlier export, which it replaces (its manifest lists
+    every file in it), never --model-name's folder, and every rank must see it, as each writes its
+    part there and each merges some of the files. The family's published names must be known."""
     if folder is None:
         return
     _conversions(config.model_type)
     path = Path(folder).absolute()
-    if path.is_dir() and any(path.iterdir()) and not (path / "config.json").exists():
-        raise SystemExit(f"error: --export-hf {folder}: holds other files; pass a new folder")
+    source = Path(model_name).expanduser()
+    if source.is_dir() and path.resolve() == source.resolve():
+        raise SystemExit(
+            f"error: --export-hf {folder} is the folder --model-name reads, which an export would "
+            "replace: pass another folder"
+        )
+    check_only_exports_in(folder, path)
     existing = next(p for p in [path.parent, *path.parents] if p.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
         raise SystemExit(f"error: --export-hf {folder}: {existing} is not writable")
@@ -182,6 +210,9 @@ def check_export_folder(folder: str | None, config) -> None:
     dist.barrier()
     if dist.get_rank() == 0:
         marker.unlink()
+        aside = path.with_name(path.name + ".old")  # a kill between replace_export's two renames
+        if aside.exists() and not path.exists():
+            os.replace(aside, path)  # the earlier export back in place
     if not all(seen):
         raise SystemExit(
             f"error: --export-hf {folder}: rank {seen.index(False)} does not see rank 0's files "
@@ -189,16 +220,40 @@ def check_export_folder(folder: str | None, config) -> None:
         )
 
 
+def check_only_exports_in(folder: str, path: Path) -> None:
+    """The export's folder and its staging folders (.tmp, .old) hold nothing but what an export of
+    these chapters wrote (its manifest's files): another model, or a note beside an export, is
+    never replaced."""
+    staging, aside = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    for place in [path, staging, aside]:
+        manifest = place / MANIFEST
+        written = json.loads(manifest.read_text()) if manifest.exists() else {}
+        listed = {MANIFEST, *written.get("files", [])}
+        if not place.exists() or written.get("staging"):  # a staging folder holds only an export's
+            continue
+        others = sorted(set(os.listdir(place)) - listed) if place.is_dir() else [place.name]
+        if others:
+            raise SystemExit(
+                f"error: --export-hf {folder}: {place} holds files no export wrote "
+                f"({', '.join(others[:3])}): pass a new folder"
+            )
+
+
 @contextmanager
 def exporting(folder: str, files: dict[str, int]):
-    """The folder an export is written in, `folder`.tmp: each rank writes its shards in its
-    "shards" folder; then every rank merges some of the published files from them (torch's
-    consolidation: file i on rank i), and rank 0 renames the folder `folder` (an earlier export
-    replaced). A rank killed meanwhile leaves a .tmp folder, never one that looks complete."""
+    """Every rank calls this. The folder an export is written in, `folder`.tmp: each rank writes
+    its shards in its "shards" folder; then every rank merges some of the published files from
+    them (torch's consolidation: file i on rank i), and rank 0 writes the index and the manifest
+    and puts the folder in `folder`'s place (replace_export). A rank killed meanwhile leaves a .tmp
+    folder, never one that looks complete, and an earlier export in place."""
     final = Path(folder).absolute()
     tmp = final.with_name(final.name + ".tmp")
+    check_only_exports_in(folder, final)  # again: files may have appeared there since the start
+    dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        (tmp / MANIFEST).write_text(json.dumps({"staging": True}))  # all in it is this export's
     dist.barrier()
     try:
         yield tmp
@@ -215,11 +270,61 @@ def exporting(folder: str, files: dict[str, int]):
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(tmp / "shards")
-        if final.exists():  # an earlier export, moved aside, removed once this one is in place
-            os.replace(final, final.with_name(final.name + ".old"))
-        publish(tmp, final)
-        shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
+        write_index(tmp)
+        written = sorted(name for name in os.listdir(tmp) if name != MANIFEST)
+        (tmp / MANIFEST).write_text(json.dumps({"files": written}, indent=2))  # complete
+        replace_export(tmp, final)
     dist.barrier()
+
+
+def write_index(folder: Path) -> None:
+    """The merged files' index as save_pretrained writes it: one file is model.safetensors with
+    no index; several, an index sorted by name that counts the parameters and bytes."""
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    if len(set(index["weight_map"].values())) == 1:
+        os.replace(folder / next(iter(index["weight_map"].values())), folder / "model.safetensors")
+        index_file.unlink()
+        return
+    parameters = 0
+    for file in set(index["weight_map"].values()):  # their headers only
+        with safe_open(folder / file, framework="pt") as tensors:
+            parameters += sum(math.prod(tensors.get_slice(n).get_shape()) for n in tensors.keys())
+    index["metadata"] = {"total_parameters": parameters, **index["metadata"]}
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    index_file.write_text(json.dumps(index, indent=2) + "\n")
+
+
+def replace_export(tmp: Path, final: Path) -> None:
+    """`tmp`, complete, published as `final`. An earlier export there is swapped with it in one
+    step (renameat2's exchange), then removed: a kill at any point leaves the old export or the
+    new one in place. Where the file system cannot swap (NFS), the old one is moved aside (.old)
+    for the instant of two renames; a kill there leaves it aside, which the next run puts back."""
+    if not final.exists():
+        publish(tmp, final)
+        return
+    flush(tmp)  # what the swap makes visible is whole on disk
+    if not swap_folders(tmp, final):
+        aside = final.with_name(final.name + ".old")
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        tmp = aside
+    shutil.rmtree(tmp)  # the earlier export, now out of place
+
+
+def swap_folders(a: Path, b: Path) -> bool:
+    """Exchanges two folders' names atomically (Linux's renameat2 RENAME_EXCHANGE: ext4, XFS,
+    Btrfs, tmpfs, Lustre); False, and nothing changed, where the file system or the OS cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    at_cwd, rename_exchange = -100, 2  # <fcntl.h>'s AT_FDCWD, <linux/fs.h>'s RENAME_EXCHANGE
+    if renameat2 is None:
+        return False
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # this file system cannot swap
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
 def published_config(config, dtype: torch.dtype):
@@ -233,9 +338,10 @@ def published_config(config, dtype: torch.dtype):
     return config
 
 
-def file_index(state: dict) -> dict[str, int]:
-    """Each tensor's file (1, 2, ...), the same on every rank: whole tensors in order, a new file
-    past EXPORT_FILE_BYTES. Every rank's names: a rank may hold tensors others do not (a stage)."""
+def agree_on_file_index(state: dict) -> dict[str, int]:
+    """Every rank calls this (an all-gather): each tensor's file (1, 2, ...), the same on every
+    rank: whole tensors in order, a new file past EXPORT_FILE_BYTES. Every rank's names: a rank
+    may hold tensors others do not (a stage)."""
     sizes = {name: value.numel() * value.element_size() for name, value in state.items()}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, sizes)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+# Private, checked on torch 2.11-2.14 (its public torch.distributed.nn.functional version is
+# deprecated for it). If it moves: chapter 09 fails at import: use the home that warning names.
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.checkpoint as dcp
 import tqdm
@@ -98,7 +100,7 @@ def main():
         weights = published.pretrained_weights(args.model_name, config) if args.from_pretrained else None
     experts.check_config(config, args, dtype)  # what EP cannot take, in one line, before any build
     experts.set_balancing_loss(config, args)  # the routers' load-balancing loss, in the loss
-    published.check_export_folder(args.export_hf, config)  # each rank writes its part there: shared?
+    published.agree_on_export_folder(args.export_hf, config, args.model_name)  # new, seen by all
     # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
@@ -278,7 +280,8 @@ def main():
 
 
 def train_step(model, moe_layers, batches, optimizer, lr_scheduler, args, timers, autocast, device):
-    """One optimizer step on --grad-accum-steps micro-batches: loss and gradient norm, on device."""
+    """Every rank calls this: one optimizer step on --grad-accum-steps micro-batches: loss and
+    gradient norm, on device."""
     step_loss, step_load = 0.0, 0
     for micro_step in range(args.grad_accum_steps):
         # FSDP reduce-scatters micro-step gradients into the sharded sum: DDP's no-sync would keep a
@@ -321,9 +324,9 @@ def build_model(args, config):
 
 
 def load_pretrained(model, folder):
-    """--from-pretrained: each rank reads only its own slices of the published safetensors (DCP's
-    Hugging Face reader: bf16 on disk copied into fp32 shards) and builds the buffers no file holds
-    (rotary frequencies): no rank holds the whole model."""
+    """Every rank calls this: --from-pretrained: each rank reads only its own slices of the
+    published safetensors (DCP's Hugging Face reader: bf16 on disk copied into fp32 shards) and
+    builds the buffers no file holds (rotary frequencies): no rank holds the whole model."""
     published.build_buffers(model)
     state = published.published_state(model, get_model_state_dict(model))
     with published.loading_pretrained(folder):
@@ -331,7 +334,8 @@ def load_pretrained(model, folder):
 
 
 def send_full_weights(model, full_model, device):
-    """Rank 0's full weights (`full_model`, else None), sent per tensor into every rank's shards."""
+    """Every rank calls this: rank 0's full weights (`full_model`, else None), sent per tensor into
+    every rank's shards."""
     rank = dist.get_rank()
     full_state = full_model.state_dict() if rank == 0 else {}
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -347,7 +351,7 @@ def parallelize(model, blocks, mesh, expert_mesh, args, dtype, use_compile):
     """What the chapter does to the model, in the required order (torchtitan's parallelize_llama
     is the model; main() has switched on activation checkpointing): experts on their ranks, compile,
     then FSDP. Returns the experts modules."""
-    moe_layers = experts.experts_modules(model)
+    moe_layers = common.experts_modules(model)
     apply_expert_parallel(moe_layers, expert_mesh["ep"])
     experts.track_load(model, moe_layers, args.bias_update_rate)  # and the routing biases to move
     if use_compile:
@@ -368,8 +372,11 @@ def parallelize(model, blocks, mesh, expert_mesh, args, dtype, use_compile):
 
 def apply_expert_parallel(moe_layers, ep_mesh):
     """Each layer's experts split over the ep ranks: every weight's dim 0 (experts) a DTensor
-    sharded on the ep mesh, so that checkpoints keep chapter 04's names and full shapes; each rank
-    runs its own E / ep experts, reached through dispatch()."""
+    sharded on the ep mesh, so that checkpoints keep chapter 04's names and full shapes. The
+    module's forward becomes dispatch(), which sends the tokens to their experts' ranks and runs
+    HF's forward there on the rank's E / ep experts: replaced on the module, as transformers' own
+    expert parallel does, which keeps its class, names and attributes for the MoE block's code (a
+    hook cannot skip HF's forward over all E; a wrapper module would be another class)."""
     group = ep_mesh.get_group()
     for experts_module in moe_layers:
         for name, param in experts_module.named_parameters(recurse=False):
@@ -380,10 +387,10 @@ def apply_expert_parallel(moe_layers, ep_mesh):
 
 
 def dispatch(experts_module, local_forward, group, hidden_states, top_k_index, top_k_weights):
-    """The experts' forward under EP, as torchtitan's token dispatcher and transformers' AllToAllEP
-    do it: each token's top-k copies go to the ranks holding their experts, are computed there and
-    come back, weighed by the router's gates. Autograd's all-to-all sends their gradients back over
-    the reversed splits."""
+    """Every rank calls this: the experts' forward under EP, as torchtitan's token dispatcher and
+    transformers' AllToAllEP do it: each token's top-k copies go to the ranks holding their experts,
+    are computed there and come back, weighed by the router's gates. Autograd's all-to-all sends
+    their gradients back over the reversed splits."""
     ep_size, top_k = group.size(), top_k_index.shape[-1]
     # 1. The copies sorted by expert: a rank's experts are consecutive, so sorted by rank too.
     expert_ids = top_k_index.flatten()
@@ -421,9 +428,14 @@ def dispatch(experts_module, local_forward, group, hidden_states, top_k_index, t
 
 @contextlib.contextmanager
 def local_experts(experts_module, num_local):
-    """The module as this rank's experts in HF's forward: its DTensors' local shards, and count."""
+    """The module as this rank's experts, for HF's forward: its weights their DTensors' local
+    shards, its count E / ep; then put back. Through `_parameters`, as transformers' own expert
+    parallel does (_use_local_dtensor_params): register_parameter refuses the weights FSDP gathers
+    (not leaves), and a copy of the module to call instead would run its hooks twice."""
     sharded = dict(experts_module.named_parameters(recurse=False))
     num_experts = experts_module.num_experts
+    # Module's private _parameters, checked on torch 2.11-2.14. If it moves: chapter 09 fails at its
+    # first step in local_experts: swap the weights as FSDP2's fully_shard then does.
     experts_module._parameters.update({name: param.to_local() for name, param in sharded.items()})
     experts_module.num_experts = num_local
     try:
@@ -487,11 +499,12 @@ def init_wandb(args, exp_dir, run_id):
 
 
 def export_hf(model, config, tokenizer, folder, dtype):
-    """Writes a folder that `from_pretrained` and vLLM load, in `dtype`: each rank writes its own
-    shards (DCP's Hugging Face writer), then every rank merges some of the published files from
-    them, a tensor at a time (published.exporting); config and tokenizer beside them."""
+    """Every rank calls this: writes a folder that `from_pretrained` and vLLM load, in `dtype`: each
+    rank writes its own shards (DCP's Hugging Face writer), then every rank merges some of the
+    published files from them, a tensor at a time (published.exporting); config and tokenizer beside
+    them."""
     state = published.published_state(model, get_model_state_dict(model), dtype)  # names and dtypes
-    files = published.file_index(state)  # which tensor goes in which of the published files
+    files = published.agree_on_file_index(state)  # which tensor goes in which published file
     with published.exporting(folder, files) as tmp:  # merged, then published whole
         writer = HuggingFaceStorageWriter(str(tmp / "shards"), files, save_distributed=True)
         dcp.save(state, storage_writer=writer)  # this rank's shards
@@ -503,8 +516,9 @@ def export_hf(model, config, tokenizer, folder, dtype):
 
 
 def evaluate(model, val_data, args, device, autocast, dp_size, dp_rank) -> float:
-    """The mean loss over the first --eval-batches global batches of the validation rows, without
-    gradients. It draws no random numbers, so training after it goes on exactly as without it."""
+    """Every rank calls this: the mean loss over the first --eval-batches global batches of the
+    validation rows, without gradients. It draws no random numbers, so training after it goes on
+    exactly as without it."""
     global_batch = dp_size * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
     # Each dp rank takes every dp_size-th row; the sum of the batches' mean losses is all-reduced.
@@ -520,8 +534,9 @@ def evaluate(model, val_data, args, device, autocast, dp_size, dp_rank) -> float
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):
-    """Everything exact resume needs: weights, optimizer moments, LR schedule, RNG, data position.
-    With `async_saves`, returns once the CPU copy starts: written and published beside training."""
+    """Every rank calls this: everything exact resume needs: weights, optimizer moments, LR
+    schedule, RNG, data position. With `async_saves`, returns once the CPU copy starts: written and
+    published beside training."""
     final_dir = common.checkpoint_dir(exp_dir, state["global_step"])
     # Written to a .tmp name, renamed when done: a crash mid-save leaves nothing resume would trust.
     tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
@@ -549,6 +564,8 @@ def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep
 
 
 def load_checkpoint(checkpoint, model, optimizer, lr_scheduler, device) -> dict:
+    """Every rank calls this: its shards loaded in place (DCP reshards them for this run's ranks),
+    and the schedule, the RNG and the data position as rank 0 saved them."""
     with common.loading(checkpoint):
         # DCP loads in place into this run's shards, whatever the number of ranks that saved them.
         model_state, optimizer_state = get_state_dict(model, optimizer)

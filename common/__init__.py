@@ -6,6 +6,8 @@ import logging
 
 # transformers imports torchao (where installed) as it builds a model: torchao warns of kernels no
 # chapter uses (MX, CUTLASS), torch of an enum torchao registers the old way. Not errors.
+# torch.utils._pytree's logger: private, checked on torch 2.11-2.14. If it moves: no error: a
+# warning line comes back at start: quiet the module that now warns.
 for name in ["torchao", "torch.utils._pytree"]:
     logging.getLogger(name).setLevel(logging.ERROR)
 
@@ -24,6 +26,7 @@ from common.logs import log_metrics, setup_logging, wandb_mode
 from common.metrics import NonFiniteGuard, flops_per_token, memory_stats, peak_bf16_flops
 from common.metrics import shard_memory
 from common.model import DEFAULT_MODEL, DEFAULT_MOE_MODEL, adamw_param_groups, check_compilable
+from common.model import experts_modules
 from common.model import load_config_and_tokenizer, transformer_blocks
 from common.signals import StopSignal
 from common.timers import PhaseTimers

@@ -1,7 +1,7 @@
 """Activation checkpointing: each block's forward recomputed in backward, whole or selectively."""
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 # What selective checkpointing keeps (torchtitan's list): the outputs costliest to recompute, of
@@ -9,12 +9,17 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 # FP8 layers are aten.mm too) and the amaxes scaling FP8's casts (each reads a whole tensor).
 _KEEP = {
     torch.ops.aten.mm.default,
+    # SDPA's kernels: private, checked on torch 2.11-2.14. If one moves: every chapter fails at
+    # import of common (AttributeError: no such op): take the kernel's new name from torch.ops.aten,
+    # or drop it from _KEEP.
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten.max.default,
     torch.ops.aten.amax.default,
+    # Private, checked on torch 2.11-2.14. If it moves: every chapter fails at import of common:
+    # take the op's new namespace (DTensor's collectives), or drop it from _KEEP.
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
 
@@ -57,7 +62,10 @@ def _checkpointed(block, forward, selective: bool):
         kwargs = {
             k: None if k in _CACHES else False if k == "use_cache" else v for k, v in kwargs.items()
         }
-        context_fn = _selective_context if selective else noop_context_fn
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        if selective:  # named here: dynamo takes a module's function, not a local's value
+            return checkpoint(
+                forward, *args, use_reentrant=False, context_fn=_selective_context, **kwargs
+            )
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)  # no context_fn: full
 
     return checkpointed_forward

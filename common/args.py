@@ -1,4 +1,4 @@
-"""Chapter 01's flags, which every chapter adds to, each checked as parsed: a value that would train
+"""The flags every chapter starts from and adds to, each checked as parsed: a value that would train
 silently wrong (an infinite learning rate, a one-token row) fails in one line naming the flag."""
 
 import argparse
@@ -46,7 +46,7 @@ def export_folder(text):
 
 
 def base_parser(doc: str, script: str) -> ArgumentParser:
-    """Chapter 01's flags. The folder of `script` names the default run: chapters never mix runs."""
+    """The flags every chapter has. The folder of `script` names the default run: never mixed."""
     parser = ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--experiment-name", default=Path(script).parent.name, help="run folder under --save-dir")

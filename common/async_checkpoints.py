@@ -18,9 +18,10 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncCheckpoints:
-    """Each save copied to CPU memory while the next step computes, written, and published by rank 0
-    once every rank has written (a *.tmp folder until then, which resume ignores). Its error (a
-    full disk) reaches training at the next step or wait()."""
+    """Every rank makes one (a process group of its own) and calls start(): each save copied to CPU
+    memory while the next step computes, written, and published by rank 0 once every rank has
+    written (a *.tmp folder until then, which resume ignores). Its error (a full disk) reaches
+    training at the next step or wait()."""
 
     def __init__(self, timeout_minutes: float, device: torch.device, optimizer: Optimizer):
         # The write's collectives run beside training's: in a group of their own, on the CPU (gloo).
@@ -45,7 +46,7 @@ class AsyncCheckpoints:
             self.pending[0].result()  # the copy to CPU memory, which this step would change
 
     def start(self, shards: dict, tmp_dir: Path, final_dir: Path, step: int, keep: int) -> None:
-        """Returns once the shards' copy to CPU memory has started."""
+        """Every rank calls this: returns once the shards' copy to CPU memory has started."""
         self.wait()  # for the save before, if in flight: its write reads the copy this one refills
         if self.cuda:  # the stager's stream does not wait for the compute stream's step
             torch.cuda.current_stream().synchronize()

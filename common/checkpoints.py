@@ -37,14 +37,19 @@ def latest_checkpoint(exp_dir: Path) -> Path | None:
 def publish(tmp_dir: Path, final_dir: Path) -> None:
     """`tmp_dir`, fully written, becomes `final_dir`: flushed, then renamed (atomic: a crash never
     leaves a partial folder under the final name)."""
-    for path in [*tmp_dir.rglob("*"), tmp_dir]:
-        fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+    flush(tmp_dir)
     os.replace(tmp_dir, final_dir)
     fd = os.open(final_dir.parent, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
+
+
+def flush(folder: Path) -> None:
+    """Every file in `folder`, and the folder, on disk: what a rename then shows is whole."""
+    for path in [*folder.rglob("*"), folder]:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
 
 
 def publish_checkpoint(tmp_dir: Path, final_dir: Path, keep: int) -> None:
@@ -63,7 +68,9 @@ def saving(tmp_dir: Path, step: int):
     try:
         yield
     except (OSError, RuntimeError, CheckpointException) as err:  # DCP's: no Exception subclass
-        # DCP's error holds each rank's: a PermissionError among them is named in its text.
+        # DCP's error holds each rank's: a PermissionError among them is named in its text. Its
+        # texts checked on torch 2.11-2.14; if they move, a folder that cannot be written shows as
+        # a traceback instead of one line: match the new texts.
         denied = isinstance(err, PermissionError) or "PermissionError" in str(err)
         denied |= getattr(err, "errno", None) == errno.EROFS or "Read-only file system" in str(err)
         if not denied and not disk_full(err, tmp_dir.parent):
@@ -93,7 +100,7 @@ def loading(checkpoint: Path):
     try:
         yield
     except (Exception, CheckpointException) as err:
-        lines = str(err).splitlines()
+        lines = str(err).splitlines()  # DCP's texts, checked on torch 2.11-2.14 (as in saving)
         mismatch = next((line.strip() for line in lines if "size mismatch" in line.lower()), None)
         if mismatch:
             raise SystemExit(
@@ -132,8 +139,9 @@ def check_save_dir(save_dir: str) -> None:
 
 
 def check_shared_save_dir(checkpoint: Path | None) -> None:
-    """Every rank must resume from rank 0's checkpoint: with --save-dir on each node's own disk, the
-    other nodes' ranks would find none (or another step's) and train on from another point."""
+    """Every rank calls this: all must resume from rank 0's checkpoint: with --save-dir on each
+    node's own disk, the other nodes' ranks would find none (or another step's) and train on from
+    another point."""
     rank0_checkpoint = [checkpoint]
     dist.broadcast_object_list(rank0_checkpoint, src=0)
     if checkpoint != rank0_checkpoint[0]:

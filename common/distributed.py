@@ -30,7 +30,7 @@ def rank0_first(local: bool = False):
     store (a large corpus takes hours: a collective would time out), saying every 10 min what they
     wait for. If it dies, torchrun stops them; if it exits with an error (a bad --dataset-name),
     they exit with the same."""
-    store = dist.distributed_c10d._get_default_store()
+    store = dist.group.WORLD.get_group_store()  # torchrun's store, which the job's group holds
     rank, local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
     first = rank - local_rank if local else 0  # the rank that goes first for this one
     key = f"rank0_first/{next(_phases)}/{first}"
@@ -94,6 +94,9 @@ def destroy_process_group_and_exit() -> None:
     (which outlives the group) can abort Python before 3.14, failing a job that trained: "An abort
     at exit" in DIAGNOSING.md. A failed rank exits through the shutdown: its error is recorded."""
     dist.destroy_process_group()
+    # Private in Python, checked on CPython 3.10-3.13. If it moves: every run ends with
+    # AttributeError after its last save: keep the functions atexit.register gets and call them
+    # there, or end with sys.exit(0) on a Python without the abort.
     atexit._run_exitfuncs()  # what Python runs at exit before shutting down: wandb's, logging's
     sys.stdout.flush()
     sys.stderr.flush()

@@ -9,6 +9,8 @@ import psutil
 import torch
 from torch.distributed.tensor import DTensor
 
+from common.model import experts_modules
+
 _GIB = 2**30
 
 
@@ -20,6 +22,7 @@ class NonFiniteGuard:
         self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)
 
     def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Every rank calls this after each step: a DTensor norm is made whole by a collective."""
         if isinstance(grad_norm, DTensor):  # FSDP's norm: the same full value on every rank
             grad_norm = grad_norm.full_tensor()
         # With --cpu-offload the gradients, and so their norm, are on the CPU: a copy, not a sync.
@@ -67,8 +70,7 @@ def flops_per_token(model, config, seq_length: int) -> float:
     matmul_weights = sum(m.in_features * m.out_features for m in linears)
     # A mixture of experts' stacked experts (3-D weights, one slice per expert): each token goes
     # through num_experts_per_tok of them. (The routers' small matmul is left out.)
-    experts = [m for m in model.modules() if hasattr(m, "num_experts")]
-    stacked = [p for m in experts for p in m.parameters(recurse=False)]
+    stacked = [p for m in experts_modules(model) for p in m.parameters(recurse=False)]
     top_k = getattr(config, "num_experts_per_tok", 0)
     matmul_weights += sum(top_k * p.numel() // p.shape[0] for p in stacked if p.ndim == 3)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -15,7 +15,7 @@ from common.data import looks_like_path
 from common.logs import first_line
 
 # The embedded defaults (tools/make_tiny_default.py), loaded through the same calls as a Hub name:
-# a tiny Llama config with its tokenizer, and chapter 09's mixture of experts.
+# a tiny Llama config with its tokenizer, and a tiny mixture of experts (Qwen3-MoE's).
 DEFAULT_MODEL = str(Path(__file__).parent / "tiny_llama")
 DEFAULT_MOE_MODEL = str(Path(__file__).parent / "tiny_moe")
 # pyproject.toml's floor, the oldest transformers the chapters are tested with (see the README).
@@ -73,8 +73,8 @@ def check_compilable(config, use_compile: bool) -> None:
         raise SystemExit(
             f"error: --model-name {config.name_or_path!r} asks for its routers' logits "
             "(output_router_logits, the experts' load-balancing loss), which torch.compile cannot "
-            "trace inside a block: pass --no-compile, or train it with chapter 09, which compiles "
-            "around them"
+            "trace inside a block: pass --no-compile, or turn its balancing loss off "
+            "(output_router_logits false in its config.json)"
         )
 
 
@@ -88,8 +88,17 @@ def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
     ]
 
 
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """A mixture of experts' layers of routed experts, in order: each MoE block's `experts` child,
+    as transformers 5 names them (its shared experts, `shared_experts`, are dense). The one rule
+    the chapters and the tools tell them by; whether each holds stacked weights is checked apart."""
+    return [module for name, module in model.named_modules() if name.rpartition(".")[2] == "experts"]
+
+
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks, by the class names in HF's `_no_split_modules`: no path hard-coded."""
+    # PreTrainedModel's private _no_split_modules, checked on transformers 5.0-5.24. If it moves:
+    # every chapter from 04 stops in one line here: read the blocks' classes where it then says.
     names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [module for module in model.modules() if type(module).__name__ in names]
     if not blocks:

@@ -19,11 +19,12 @@ STRAGGLER_THRESHOLD, STRAGGLER_LOG_STEPS = 0.8, 5
 
 
 class PhaseTimers:
-    """Time per phase of the step, averaged between `summary()` calls. The GPU runs behind the CPU
-    (the wall clock would time the queueing): on CUDA, events bracket each phase, read with one sync
-    in `summary()`. `compare_ranks`: it also names the straggler (a collective: every rank calls it
-    at the same steps). `blocks`: their forward is timed alone too ("compute"), between FSDP's
-    hooks, without its all-gathers' waits."""
+    """Every rank makes one with `compare_ranks` (an all-gather of the hosts), and then calls
+    `summary()` at the same steps (an all-gather of the timings). Time per phase of the step,
+    averaged between `summary()` calls. The GPU runs behind the CPU (the wall clock would time the
+    queueing): on CUDA, events bracket each phase, read with one sync in `summary()`.
+    `compare_ranks`: it also names the straggler. `blocks`: their forward is timed alone too
+    ("compute"), between FSDP's hooks, without its all-gathers' waits."""
 
     def __init__(self, device: torch.device, compare_ranks: bool = False, blocks=()):
         self.use_cuda_events = device.type == "cuda"
@@ -61,8 +62,9 @@ class PhaseTimers:
         return start.elapsed_time(end) if self.use_cuda_events else 1000 * (end - start)
 
     def summary(self, steps: int) -> dict:
-        """Milliseconds per step in each phase since the last call (a phase may run once per
-        micro-batch), then starts over; with `compare_ranks`, the straggler's keys too."""
+        """Every rank calls this: milliseconds per step in each phase since the last call (a phase
+        may run once per micro-batch), then starts over; with `compare_ranks`, the straggler's keys
+        too."""
         if self.use_cuda_events:
             torch.cuda.synchronize()
         result = {
@@ -76,10 +78,11 @@ class PhaseTimers:
 
 
 class Stragglers:
-    """The rank that holds the others back, from every rank's timings at a log step. Every step
-    takes as long as the slowest rank's (the others wait in a collective), so a rank's own work is
-    what it does alone: loading its batch ("data") and "compute" (the blocks' forward between FSDP's
-    collectives, else DDP's collective-free forward; backward has collectives under both)."""
+    """Every rank makes one (an all-gather): the rank that holds the others back, from every
+    rank's timings at a log step. Every step takes as long as the slowest rank's (the others wait
+    in a collective), so a rank's own work is what it does alone: loading its batch ("data") and
+    "compute" (the blocks' forward between FSDP's collectives, else DDP's collective-free forward;
+    backward has collectives under both)."""
 
     PHASES = ("data", "forward", "backward", "optimizer", "compute")
     KEYS = ("rank", "host", "work_ms", "median_work_ms", "slow_log_steps")  # straggler/<key>
@@ -91,6 +94,7 @@ class Stragglers:
         self.rank, self.streak = None, 0
 
     def report(self, timings: dict) -> dict:
+        """Every rank calls this (an all-gather): the straggler's keys for the log line."""
         mine = [timings.get(f"time/{phase}_ms", 0.0) for phase in self.PHASES]
         gathered = [torch.empty(len(mine), device=self.device) for _ in self.hosts]
         dist.all_gather(gathered, torch.tensor(mine, device=self.device))  # into a list: any torch

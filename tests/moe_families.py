@@ -152,7 +152,7 @@ def compare(family: str) -> dict:
     result["fsdp"] = train(fsdp, config, ["--lr", "1e-3"])
     result["ep"] = train(expert, config, [*flags, "--bias-update-rate", "0"], expert_layout=(1, 2))
     model = AutoModelForCausalLM.from_config(config)
-    if any(expert.experts.routing_biases(model, expert.experts.experts_modules(model))):
+    if any(expert.experts.routing_biases(model, expert.common.experts_modules(model))):
         result["ep_balanced"] = train(expert, config, flags, expert_layout=(1, 2))
         result["ep_1_balanced"] = train(expert, config, ["--lr", "1e-3", "--ep-size", "1"], expert_layout=(2, 1))
     return result

@@ -1,4 +1,5 @@
 import json
+import re
 import shutil
 
 import pytest
@@ -224,9 +225,11 @@ def test_async_checkpoints_are_written_beside_training_and_published_once_comple
     folders = sorted(p.name for p in (exp_dir / "checkpoints").iterdir())
     assert folders[:2] == ["step-00000006", "step-00000008.tmp"] and folders[2:] in [[], ["step-00000010.tmp"]]
     assert [f"step-0000000{step}, written" in log for step in [2, 4, 6, 8]] == [True, True, True, False], log[-3000:]
-    metrics = read_metrics(exp_dir)
-    # The save of step 2 held the training loop for a copy to CPU memory, not for the 2 s write.
-    assert metrics[3]["time/checkpoint_ms"] < 1000, metrics[3]
+    # The save of step 2 held the training loop for a copy to CPU memory, not for its write: rank 0
+    # showed step 3 done (its progress bar) before it logged that every rank had written step 2.
+    # Shown by their order in its stderr, not by a duration, which a busy machine stretches.
+    step_3_done = re.search(r"\| 3/12 \[", log)
+    assert step_3_done and step_3_done.start() < log.index("step-00000002, written"), log[-3000:]
     # Training went on as without checkpoints, past step 8 (until step 10's save waited for step 8's).
     trained = losses(exp_dir)
     assert len(trained) >= 8 and trained == losses(fsdp_run / CHAPTER)[: len(trained)]

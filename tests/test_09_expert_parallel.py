@@ -339,7 +339,7 @@ def test_the_routing_biases_move_by_the_rate_toward_even_loads(monkeypatch):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v3"))
     model.to_empty(device="cpu")
-    layers = chapter.experts.experts_modules(model)
+    layers = chapter.common.experts_modules(model)
     chapter.experts.track_load(model, layers, 0.01)
     biases = [getattr(*layer.routing_bias) for layer in layers]
     for bias in biases:

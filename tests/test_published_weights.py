@@ -118,6 +118,9 @@ def references(sources, tmp_path_factory, hf_home):
     return steps
 
 
+# Files of at most 300 kB (EXPORT_FILE_BYTES): the tiny models' exports in 5 to 7 files, merged on
+# each of 2 or 4 ranks (file i by rank i), as a large model's are on a cluster.
+SEVERAL_FILES = {"EXPORT_FILE_BYTES": "300000"}
 LAYOUTS = {  # chapter, ranks, source, flags: 8 rows in each step
     "04-hsdp-tied": ("04-fsdp", 4, "tied", ["--shard-size", "2", "--batch-size", "2"]),
     "05-fsdp-x-tp": ("05-tensor-parallel", 4, "untied", ["--tp-size", "2", "--batch-size", "4"]),
@@ -139,8 +142,9 @@ def test_each_layout_starts_as_from_pretrained_and_exports_the_source(layout, so
     FP8 matmuls round: its loss and norm are chapter 01's within 2%, and its export is the source."""
     chapter, ranks, source, flags = LAYOUTS[layout]
     args = [*ARGS, *flags, "--model-name", str(sources[source]), "--from-pretrained"]
+    several = layout in ("04-hsdp-tied", "07-cp", "08-pp-x-fsdp", "09-ep-x-efsdp")  # 2 and 4 ranks
     run_chapter(chapter, *args, "--save-dir", str(tmp_path), "--export-hf", str(tmp_path / "hf"), nproc=ranks,
-                hf_home=hf_home)  # fmt: skip
+                hf_home=hf_home, env=SEVERAL_FILES if several else None)  # fmt: skip
     step, reference = read_metrics(tmp_path / chapter)[1], references[source]
     tolerance = 2e-2 if chapter == "06-fp8" else 1e-5  # fp32 sums in another order; FP8's rounding
     assert abs(step["loss"] - reference["loss"]) <= tolerance, (step["loss"], reference["loss"])
@@ -152,6 +156,29 @@ def test_each_layout_starts_as_from_pretrained_and_exports_the_source(layout, so
     assert AutoConfig.from_pretrained(tmp_path / "hf").architectures == AutoConfig.from_pretrained(
         sources[source]).architectures  # fmt: skip
     assert not list(tmp_path.glob("hf.*")), "a staging folder left behind"
+    assert_indexed_as_save_pretrained_does(tmp_path / "hf", sources[source], several)
+
+
+def assert_indexed_as_save_pretrained_does(export, source, several):
+    """Several files: an index as save_pretrained writes it (sorted names, each file holding exactly
+    the names it maps to it, the same total parameters and bytes as save_pretrained's of the same
+    model); one file: model.safetensors, no index, as save_pretrained writes it."""
+    files = sorted(path.name for path in export.glob("*.safetensors"))
+    if not several:
+        assert files == ["model.safetensors"] and not (export / "model.safetensors.index.json").exists()
+        return
+    from safetensors import safe_open
+
+    index = json.loads((export / "model.safetensors.index.json").read_text())
+    count = len(files)
+    assert count >= 4 and files == [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    assert list(index["weight_map"]) == sorted(index["weight_map"])
+    for file in files:
+        with safe_open(export / file, framework="pt") as tensors:
+            assert set(tensors.keys()) == {n for n, f in index["weight_map"].items() if f == file}, file
+    saved = export.parent / "save_pretrained"
+    AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(saved, max_shard_size="300KB")
+    assert index["metadata"] == json.loads((saved / "model.safetensors.index.json").read_text())["metadata"]
 
 
 def test_chapters_05_to_09_carry_chapter_04s_published_py_unchanged():
@@ -227,21 +254,62 @@ def test_a_folder_without_a_tensor_of_the_model_is_refused(sources, tmp_path, hf
 def test_an_export_folder_that_holds_other_files_or_is_not_shared_is_refused_before_training(
     sources, tmp_path, hf_home
 ):
-    """Before any step: a folder of other files is never replaced; ranks that see different folders
-    (nodes with their own disks) cannot merge each other's shards."""
+    """Before any step, one line naming the folder: a folder of other files, another model (its
+    config and safetensors, no export's manifest), an earlier export with a note beside it, or the
+    folder --model-name reads, is never replaced; nothing in it is touched. Ranks that see different
+    folders (nodes with their own disks) cannot merge each other's shards."""
     args = [*ARGS, "--model-name", str(sources["untied"]), "--save-dir", str(tmp_path)]
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    code, stderr, ends = run_forked("04-fsdp", *args, "--export-hf", str(tmp_path / "mine"), nproc=2,
+    other_model = shutil.copytree(sources["tied"], tmp_path / "other_model")
+    before = {path: path.read_bytes() for path in [*other_model.iterdir(), tmp_path / "mine" / "notes.txt"]}
+    for folder, files in [(tmp_path / "mine", "notes.txt"), (other_model, "config.json, generation_config.json")]:
+        code, stderr, ends = run_forked("04-fsdp", *args, "--export-hf", str(folder), nproc=2, hf_home=hf_home)
+        assert code != 0 and f"error: --export-hf {folder}: {folder} holds files no export wrote ({files}" in stderr, ends
+    code, stderr, ends = run_forked("04-fsdp", *args, "--export-hf", str(sources["untied"]), nproc=2,
                                     hf_home=hf_home)  # fmt: skip
-    assert code != 0 and f"error: --export-hf {tmp_path / 'mine'}: holds other files" in stderr, ends
-    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    assert code != 0 and "is the folder --model-name reads, which an export would replace" in stderr, ends
+    assert {path: path.read_bytes() for path in before} == before
     nodes = [["--export-hf", str(tmp_path / "node0" / "hf")], ["--export-hf", str(tmp_path / "node1" / "hf")]]
     (tmp_path / "node0").mkdir(), (tmp_path / "node1").mkdir()
     code, stderr, ends = run_forked("04-fsdp", *args, nproc=2, hf_home=hf_home, rank_args=nodes)
     assert code != 0, ends
     assert "does not see rank 0's files there: pass a folder shared by all nodes" in stderr, ends
     assert not (tmp_path / "04-fsdp" / "metrics.jsonl").exists()
+
+
+def test_an_export_replaces_an_earlier_one_and_a_kill_meanwhile_leaves_one_in_place(sources, tmp_path, hf_home):
+    """An export (bf16) replaced by the same job's export in fp32, killed at each step of the
+    replacing (rank 0, published.replace_export): before the folders are swapped, the earlier export
+    is in place; after, the new one; never neither. Where the file system cannot swap (NFS), a kill
+    between its two renames leaves the earlier export beside the folder (.old), and the next run puts
+    it back before exporting again. A note added beside an export makes it another's: refused."""
+    hf = tmp_path / "hf"
+    args = [*ARGS, "--model-name", str(sources["untied"]), "--from-pretrained", "--save-dir", str(tmp_path)]
+    args += ["--export-hf", str(hf)]
+
+    def export(dtype, faults=None):  # the run resumes at its last step: the export alone
+        return run_forked("04-fsdp", *args, "--export-dtype", dtype, nproc=2, hf_home=hf_home, faults=faults)
+
+    def exported_dtype(folder):
+        return {value.dtype for value in safetensors_in(folder).values()}
+
+    assert export("bfloat16")[0] == 0 and exported_dtype(hf) == {torch.bfloat16}
+    code, _, ends = export("float32", {"FAULT_KILL_DURING_EXPORT_PUBLISH": 1})  # before the swap
+    assert code != 0 and "SIGKILL" in ends.split("\n")[0], ends
+    assert exported_dtype(hf) == {torch.bfloat16} and AutoModelForCausalLM.from_pretrained(hf)
+    code, _, ends = export("float32", {"FAULT_KILL_DURING_EXPORT_PUBLISH": 2})  # swapped, not removed
+    assert code != 0 and exported_dtype(hf) == {torch.float32}, ends
+    assert exported_dtype(tmp_path / "hf.tmp") == {torch.bfloat16}  # the earlier one, removed next time
+    code, _, ends = export("bfloat16", {"FAULT_KILL_DURING_EXPORT_PUBLISH": 2, "FAULT_NO_RENAME_EXCHANGE": 1})
+    assert code != 0 and not hf.exists() and exported_dtype(tmp_path / "hf.old") == {torch.float32}, ends
+    assert export("bfloat16")[0] == 0 and exported_dtype(hf) == {torch.bfloat16}
+    assert sorted(path.name for path in tmp_path.glob("hf*")) == ["hf"]
+    assert safetensors_in(hf).keys() == safetensors_in(sources["untied"]).keys()
+    (hf / "notes.txt").write_text("my notes")
+    code, stderr, ends = export("bfloat16")
+    assert code != 0 and f"error: --export-hf {hf}: {hf} holds files no export wrote (notes.txt)" in stderr, ends
+    assert (hf / "notes.txt").read_text() == "my notes"
 
 
 def test_a_rank_killed_during_the_export_leaves_nothing_that_looks_complete(sources, tmp_path, hf_home):

@@ -50,6 +50,12 @@ def tracked_peak(chapter, config, mesh, argv, cp_mesh=None, expert_mesh=None) ->
     tp) mesh, or (replicate, shard) for chapters 04, 07 and 09; `argv`: the chapter's flags; `cp_mesh`:
     chapter 07's (dp, cp) mesh, which its train_step takes; `expert_mesh`: chapter 09's (replicate,
     efsdp, ep) mesh."""
+    # Private, checked on torch 2.11-2.14. FakeTensorMode, if it moves: tools.memory (and
+    # tests/test_tools.py) fails at import: import them from their new module.
+    # FSDPMemTracker, if it moves: tools.memory fails at import or on a kind it reads ("Sharded
+    # Param", ...): import it from its new module, with its kinds' new names.
+    # _sharding_prop.detect_fake_mode, if it moves: tools.memory fails (mock.patch: no such
+    # attribute) or counts those tensors: patch what DTensor's sharding propagation then calls.
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.tensor import _sharding_prop
@@ -67,6 +73,9 @@ def tracked_peak(chapter, config, mesh, argv, cp_mesh=None, expert_mesh=None) ->
     # step's path with fake tensors not tracing, and no packed sequences found, as in the chapters' rows.
     not_tracing = mock.patch.object(masking_utils, "is_tracing", lambda tensor=None: import_utils.is_tracing())
     not_packed = mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    # transformers' internals, checked on transformers 5.0-5.24. If they move: tools.memory fails
+    # (mock.patch: no such attribute) or counts a mask a real step does not build: patch what
+    # masking_utils then calls.
     # Built on the meta device as the chapters build it (no memory), out of fake tensors' way: FSDP's
     # meshes compute their coordinates from real rank tensors.
     with torch.device("meta"):
@@ -117,7 +126,7 @@ def even_splits():
     over the ep ranks (the planner's assumption), each rank sending and receiving as many copies as it
     routed (the numel of the last expert ids it sorted). A real count exchange says the same on average.
     Also the dry runs' (tests/faults/dry_run.py). Returns the function that puts torch's back."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.fake_tensor import FakeTensor  # private: see tracked_peak's imports
 
     routed = {"copies": 0}
     argsort, tolist = torch.Tensor.argsort, FakeTensor.tolist
@@ -160,7 +169,6 @@ def main(argv=None) -> None:
                      "09 FSDP x EP); pass one")  # fmt: skip
 
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers import AutoConfig
 
     gpus = args.nodes * args.gpus_per_node
@@ -173,7 +181,7 @@ def main(argv=None) -> None:
     if args.activation_checkpointing:
         argv += ["--activation-checkpointing", args.activation_checkpointing]
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
+    dist.init_process_group("fake", rank=0, world_size=gpus)  # given no store, it makes its own
     cp_mesh = expert_mesh = None
     if chapter == "05-tensor-parallel":
         argv += ["--tp-size", str(args.tp_size)]

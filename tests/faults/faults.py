@@ -89,6 +89,71 @@ def kill_during_export() -> None:
     consolidation._consolidate_safetensors_files = merge_then_die
 
 
+def when_imported(name: str, patch) -> None:
+    """Calls `patch(module)` once the chapter has imported its module `name` (published.py, beside
+    its script: not importable before the chapter puts its folder on the path)."""
+    import importlib.abc
+    import sys
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            exec_module = spec.loader.exec_module
+
+            def exec_and_patch(module):
+                exec_module(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_and_patch
+            return spec
+
+    import importlib.util
+
+    sys.meta_path.insert(0, Finder())
+
+
+def kill_during_export_publish(count: int) -> None:
+    """Die before the count-th step of putting a finished export in an earlier one's place
+    (published.replace_export): a swap of the folders, a rename, the earlier export's removal."""
+    import shutil
+    import types
+
+    def patch(published):
+        steps, replacing = 0, False
+
+        def step(function):
+            def counted(*args, **kwargs):
+                nonlocal steps
+                steps += replacing
+                if replacing and steps == count:
+                    die()
+                return function(*args, **kwargs)
+
+            return counted
+
+        replace_export = published.replace_export
+
+        def replace_export_counting(tmp, final):
+            nonlocal replacing
+            replacing = final.exists()  # an earlier export there
+            replace_export(tmp, final)
+
+        published.replace_export = replace_export_counting
+        published.swap_folders = step(published.swap_folders)
+        published.os = types.SimpleNamespace(**{**vars(os), "replace": step(os.replace)})
+        published.shutil = types.SimpleNamespace(**{**vars(shutil), "rmtree": step(shutil.rmtree)})
+
+    when_imported("published", patch)
+
+
+def no_rename_exchange() -> None:
+    """A file system that cannot swap two folders (NFS): published.swap_folders always declines."""
+    when_imported("published", lambda published: setattr(published, "swap_folders", lambda a, b: False))
+
+
 def slow_shard_writes(seconds: float) -> None:
     import time
 
@@ -293,11 +358,15 @@ if FIRST_ATTEMPT:
         kill_during_shard_write(int(os.environ["FAULT_KILL_DURING_SHARD_WRITE"]))
     if "FAULT_KILL_DURING_EXPORT" in os.environ and RANK == os.environ.get("FAULT_RANK", "0"):
         kill_during_export()
+    if "FAULT_KILL_DURING_EXPORT_PUBLISH" in os.environ and RANK == "0":
+        kill_during_export_publish(int(os.environ["FAULT_KILL_DURING_EXPORT_PUBLISH"]))
     step_fault = next((name for name in STEP_FAULTS if name in os.environ), None)
     if step_fault and RANK == os.environ.get("FAULT_RANK", "0"):
         strike_at_step(step_fault, int(os.environ[step_fault]))
     if "FAULT_FP8_SCALE" in os.environ:
         wrong_fp8_scales(float(os.environ["FAULT_FP8_SCALE"]))
+if "FAULT_NO_RENAME_EXCHANGE" in os.environ:
+    no_rename_exchange()
 if "FAULT_EXPERTS_UNUSED_FROM" in os.environ:
     experts_unused_from(int(os.environ["FAULT_EXPERTS_UNUSED_FROM"]))
 if "FAULT_LATE_RELEASE_AT_EXIT" in os.environ:

@@ -10,6 +10,10 @@ FAULT_KILL_DURING_SHARD_WRITE=N SIGKILL rank FAULT_RANK (default 0) half-way thr
                                 N-th DCP checkpoint (chapters 04-06; with --async-checkpoints, in the writing thread).
 FAULT_KILL_DURING_EXPORT=1      SIGKILL rank FAULT_RANK (default 0) once it has merged its files of --export-hf
                                 (torch's consolidation of the ranks' shards), before the folder is published.
+FAULT_KILL_DURING_EXPORT_PUBLISH=N  SIGKILL rank 0 before the N-th step of putting a finished --export-hf in an earlier
+                                export's place (published.replace_export: the swap of the folders, or the two renames
+                                without it; the earlier export's removal).
+FAULT_NO_RENAME_EXCHANGE=1      the export's file system cannot swap two folders (NFS): published.swap_folders declines.
 FAULT_SLOW_SHARD_WRITE=S        rank FAULT_RANK writes its shards of every DCP checkpoint S seconds more slowly.
 FAULT_RAISE_AT_STEP=N           raise in the N-th optimizer step, on the rank FAULT_RANK (default 0).
 FAULT_KILL_AT_STEP=N            SIGKILL in the N-th optimizer step, on the rank FAULT_RANK (default 0).
