@@ -1,5 +1,5 @@
 """Published weights in and out, each rank its own slices (chapter 04, where no rank holds the whole
-model any more; chapters 05-09 carry this file unchanged): where a model's safetensors are, the
+model any more; chapters 05-10 carry this file unchanged): where a model's safetensors are, the
 names and dtypes transformers publishes, the buffers no file holds, and an export folder that every
 rank writes and that appears whole or not at all."""
 
@@ -40,7 +40,7 @@ from common.logs import first_line
 PUBLISHED_FILES = ["*.safetensors", "*.json", "*.model", "*.txt", "*.tiktoken"]
 # A file per 5 GB, as the Hub's large models are published; EXPORT_FILE_BYTES in the environment
 # sets another size (the tests' several files from a tiny model).
-EXPORT_FILE_BYTES = int(os.environ.get("EXPORT_FILE_BYTES", 5 * 2**30))
+EXPORT_FILE_BYTES = int(os.environ.get("EXPORT_FILE_BYTES", str(5 * 2**30)))
 # What an export wrote, written last: the files a later export may replace, and nothing else.
 MANIFEST = "export_manifest.json"
 

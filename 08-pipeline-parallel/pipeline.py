@@ -151,14 +151,16 @@ def _is_in(tensor, model) -> bool:
 
 def _stage_forward(part, first: bool, last: bool):
     """The stage's forward, as PipelineStage calls it: token ids (the first stage) or the previous
-    stage's hidden states in; the hidden states, or the logits (the last stage), out."""
+    stage's hidden states in; the hidden states, or the logits (the last stage), out. The keyword
+    arguments the schedule's step was given (each rank's, to all its stages: position ids) go to
+    HF's forward."""
     causal_lm_forward = type(part).forward  # HF's, without FSDP's hooks (its own call runs them)
 
-    def forward(inputs):
+    def forward(inputs, **kwargs):
         given = {"input_ids": inputs} if first else {"inputs_embeds": inputs}
         if last:
-            return causal_lm_forward(part, **given, use_cache=False).logits
-        return part.model(**given, use_cache=False).last_hidden_state
+            return causal_lm_forward(part, **given, **kwargs, use_cache=False).logits
+        return part.model(**given, **kwargs, use_cache=False).last_hidden_state
 
     return forward
 
@@ -175,10 +177,11 @@ def shapes(args, config, dtype, stage: int, num_stages: int) -> dict:
 
 
 def name_every_stage(optimizer_state: dict) -> None:
-    """The optimizer's groups as all ranks hold them together. Each group names its parameters, and a rank's
-    names only its stages': DCP writes one copy of what is not a tensor (rank 0's), and another stage's ranks
-    would find none of theirs in it when they load. Named in full, as chapter 04 names them, a checkpoint
-    loads at any --pp-size, and in chapter 04. (A few kB per rank: the names of its stages' parameters.)"""
+    """Every rank calls this: the optimizer's groups as all ranks hold them together. Each group
+    names its parameters, and a rank's names only its stages': DCP writes one copy of what is not a
+    tensor (rank 0's), and another stage's ranks would find none of theirs in it when they load.
+    Named in full, as chapter 04 names them, a checkpoint loads at any --pp-size, and in chapter 04.
+    (A few kB per rank: the names of its stages' parameters.)"""
     names = [None] * dist.get_world_size()
     dist.all_gather_object(names, [group["params"] for group in optimizer_state["param_groups"]])
     for i, group in enumerate(optimizer_state["param_groups"]):
@@ -186,9 +189,9 @@ def name_every_stage(optimizer_state: dict) -> None:
 
 
 def clip_grad_norm_(parameters, max_norm: float, pp_group) -> torch.Tensor:
-    """torch's clip_grad_norm_ over the whole model's gradients: each stage's norm (over its shards)
-    squared, summed over the pp group, then every stage scaled by the total. A stage clipped by its
-    own norm would no longer step where the model's gradient points."""
+    """Every rank calls this: torch's clip_grad_norm_ over the whole model's gradients: each stage's
+    norm (over its shards) squared, summed over the pp group, then every stage scaled by the total.
+    A stage clipped by its own norm would no longer step where the model's gradient points."""
     parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     total_norm = torch.nn.utils.get_total_norm(grads).full_tensor() ** 2

@@ -43,7 +43,7 @@ from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_w
 
 import common
 import experts
-import published  # beside this script (04's, carried by 05-09): published weights in and out
+import published  # beside this script (04's, carried by 05-10): published weights in and out
 
 logger = logging.getLogger(__name__)
 

@@ -131,7 +131,9 @@ print(*[m.__file__ for m in list(sys.modules.values()) if (getattr(m, "__file__"
 """
 
 
-@pytest.mark.parametrize("chapter", ["06-fp8", "07-context-parallel", "08-pipeline-parallel", "09-expert-parallel"])
+@pytest.mark.parametrize(
+    "chapter", ["06-fp8", "07-context-parallel", "08-pipeline-parallel", "09-expert-parallel", "10-nd-parallel"]
+)
 def test_a_forked_chapter_runs_from_its_folder_and_common(chapter, tmp_path):
     """README's fork: the chapter's .py files and common/ copied into one folder run with python, and
     import nothing from the repository (the chapters with modules of their own); without torchrun the

@@ -253,6 +253,13 @@ def mem_tracker():
     return methods and all(f'"{kind}"' in names for kind in kinds)
 
 
+def pipeline_vote():
+    from torch.distributed.pipelining import _utils, schedules, stage
+
+    vote = "_inference_mode" in source(stage) and callable(schedules._PipelineSchedule._warmup_p2p)
+    return vote and _utils.InferenceMode.STATIC is not None
+
+
 def sharding_prop():
     from torch.distributed.tensor import _sharding_prop
 
@@ -308,6 +315,11 @@ CHECKS = {
     "torch.utils._pytree's logger": (TORCH, lambda: logger_of("torch.utils._pytree")),
     "torch._subclasses.fake_tensor.FakeTensorMode, FakeTensor": (TORCH, fake_tensors),
     "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker": (TORCH, mem_tracker),
+    "torch.distributed.pipelining.schedules._PipelineSchedule._warmup_p2p, "
+    "torch.distributed.pipelining._utils.InferenceMode, PipelineStage._inference_mode": (
+        ("torch", "2.13"),
+        pipeline_vote,
+    ),
     "torch.distributed.tensor._sharding_prop.detect_fake_mode": (TORCH, sharding_prop),
     "transformers.masking_utils.is_tracing, find_packed_sequence_indices": (TRANSFORMERS, masking),
 }

@@ -131,6 +131,8 @@ LAYOUTS = {  # chapter, ranks, source, flags: 8 rows in each step
     "04-moe": ("04-fsdp", 2, "moe", ["--batch-size", "4"]),  # whole experts on each rank, by name
     "09-ep": ("09-expert-parallel", 2, "moe", ["--ep-size", "2", "--aux-loss-coef", "0", "--batch-size", "4"]),
     "09-ep-x-efsdp": ("09-expert-parallel", 4, "moe", ["--ep-size", "2", "--aux-loss-coef", "0", "--batch-size", "2"]),
+    # Each rank its stage's slices of its tp half: a pipeline of 2 x 4 rows.
+    "10-pp-x-tp": ("10-nd-parallel", 4, "untied", ["--pp-size", "2", "--tp-size", "2", "--batch-size", "4"]),
 }
 
 
@@ -142,7 +144,7 @@ def test_each_layout_starts_as_from_pretrained_and_exports_the_source(layout, so
     FP8 matmuls round: its loss and norm are chapter 01's within 2%, and its export is the source."""
     chapter, ranks, source, flags = LAYOUTS[layout]
     args = [*ARGS, *flags, "--model-name", str(sources[source]), "--from-pretrained"]
-    several = layout in ("04-hsdp-tied", "07-cp", "08-pp-x-fsdp", "09-ep-x-efsdp")  # 2 and 4 ranks
+    several = layout in ("04-hsdp-tied", "07-cp", "08-pp-x-fsdp", "09-ep-x-efsdp", "10-pp-x-tp")  # 2, 4 ranks
     run_chapter(chapter, *args, "--save-dir", str(tmp_path), "--export-hf", str(tmp_path / "hf"), nproc=ranks,
                 hf_home=hf_home, env=SEVERAL_FILES if several else None)  # fmt: skip
     step, reference = read_metrics(tmp_path / chapter)[1], references[source]
@@ -185,7 +187,7 @@ def test_chapters_05_to_09_carry_chapter_04s_published_py_unchanged():
     """The lesson enters in chapter 04 and is carried unchanged: a forked chapter holds its copy."""
     source = (REPO / "04-fsdp" / "published.py").read_bytes()
     for chapter in ["05-tensor-parallel", "06-fp8", "07-context-parallel", "08-pipeline-parallel",
-                    "09-expert-parallel"]:  # fmt: skip
+                    "09-expert-parallel", "10-nd-parallel"]:  # fmt: skip
         assert (REPO / chapter / "published.py").read_bytes() == source, chapter
 
 

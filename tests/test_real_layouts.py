@@ -744,3 +744,111 @@ def test_expert_parallel_sends_what_the_planner_counts(fake_world, monkeypatch, 
     assert sent["ep"] == pytest.approx(planned["sent_ep"], rel=0.01)
     assert sent["efsdp"] == pytest.approx(planned["sent_experts_fsdp"], rel=0.01)
     assert sent["dense"] == pytest.approx(planned_dense, rel=0.01)
+
+
+class ByGroup(Collectives):
+    """Collectives, by which of chapter 10's meshes each runs over: FSDP's (c10d's gathers and
+    reduce-scatters of whole units, over dp_shard x cp), TP's and the ring's (DTensor's functional
+    collectives, over tp and over cp, told apart by their group's size), as the planner counts them."""
+
+    def __init__(self, tp, cp):
+        super().__init__()
+        self.tp, self.cp, self.by = tp, cp, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = dict(self.sent)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for (kind, n, size), sent in self.sent.items():
+            new = sent - before.get((kind, n, size), 0)
+            if not new:
+                continue
+            name = func.overloadpacket.__name__
+            if name in ("_allgather_base_", "_reduce_scatter_base_", "allreduce_"):
+                self.by["dp"] += new
+            elif kind in ("all_gather", "reduce_scatter") and n == self.tp:
+                self.by["tp"] += new
+            elif kind in ("all_gather", "all_to_all") and n == self.cp:
+                self.by["cp"] += new
+        return out
+
+
+@pytest.mark.parametrize(
+    "shape, world, pp, tp, cp, checkpointing",
+    [
+        ("llama-3.1-405b", 512, 8, 8, 1, "full"),  # torchtitan's 3-D layout: FSDP 8 x TP 8 x PP 8
+        ("llama-3.1-70b", 32, 1, 8, 4, "full"),  # 70B at long rows: TP 8 x CP 4 (x FSDP over cp)
+        ("llama-3.1-70b", 64, 2, 4, 2, "selective"),  # every dimension: pp 2 x dp 2 x cp 2 x tp 4
+    ],
+    ids=["405b-pp8-tp8-fsdp8", "70b-tp8-cp4", "70b-pp2-dp2-cp2-tp4"],
+)  # fmt: skip
+def test_the_composed_chapter_sends_what_the_planner_counts(shape, world, pp, tp, cp, checkpointing, fake_world,
+                                                            monkeypatch, tmp_path):  # fmt: skip
+    """Chapter 10 as its main() builds it (tools.memory.composed_rank: its meshes, the cut, TP, the
+    ring, FSDP per stage, the schedule), at a cluster's layout, rank 0 playing the first stage, at
+    the model's widths with 2 blocks per stage, a vocabulary of 4,096 and rows of 256 tokens, one
+    step of 2 rows per GPU that takes rows (a pipeline's pp x 2, a micro-batch each), in fake
+    tensors. Counted by mesh: FSDP's all-gathers (once per step under pp: units kept gathered) and
+    fp32 reduce-scatters over dp_shard x cp, TP's all-gathers and reduce-scatters over tp (and
+    checkpointing's recompute of them), the ring's keys and values over cp, and what the first
+    stage sends its neighbour (rank world / pp): each as `tools.plan` counts it, within 0.1%."""
+    from transformers import AutoConfig
+
+    from tools.memory import composed_rank
+    from tools.plan import Layout, count, plan
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    fake_world(world)
+    config = AutoConfig.from_pretrained(REPO / "tools" / "model_shapes" / shape)
+    config.num_hidden_layers, config.vocab_size, config.max_position_embeddings = 2 * pp, 4096, 256
+    argv = ["--pp-size", str(pp), "--tp-size", str(tp), "--cp-size", str(cp), "--batch-size", "2"]
+    argv += ["--seq-length", "256", "--activation-checkpointing", checkpointing]
+    sends = PipelineSends(monkeypatch)
+    with composed_rank(load("10-nd-parallel"), config, argv, world) as (_, _, _, step), ByGroup(tp, cp) as sent:
+        step()
+    config.save_pretrained(tmp_path)
+    layout = Layout("asked", world, tp, True, checkpointing, cp=cp, pp=pp)
+    planned = plan(count(str(tmp_path)), layout, 2, 256, compute_bytes=2, fp8=False)
+    print(f"\n{shape} {world} ranks: sent {dict(sent.by)}, to the next stage {dict(sends.sent)}; planned dp "
+          f"{planned['sent_dp']:,.0f}, tp {planned['sent_tp']:,.0f}, cp {planned['sent_cp']:,.0f}, pp "
+          f"{planned.get('sent_pp', 0):,.0f}")  # fmt: skip
+    assert sent.by["dp"] == pytest.approx(planned["sent_dp"], rel=1e-3)
+    assert sent.by["tp"] == pytest.approx(planned["sent_tp"], rel=1e-3)
+    assert sent.by["cp"] == pytest.approx(planned["sent_cp"], rel=1e-3)
+    assert dict(sends.sent) == ({("send", world // pp): planned["sent_pp"]} if pp > 1 else {})
+
+
+@pytest.mark.parametrize(
+    "shape, layers, argv, gpus",
+    [
+        ("llama-3.1-405b", 32, ["--pp-size", "8", "--tp-size", "8", "--batch-size", "2", "--seq-length", "8192"], 512),
+        ("llama-3.1-70b", 2, ["--tp-size", "8", "--cp-size", "4", "--batch-size", "1", "--seq-length", "131072"], 32),
+    ],
+    ids=["405b-pp8-tp8-fsdp8", "70b-128k-tp8-cp4"],
+)  # fmt: skip
+def test_the_composed_chapter_holds_what_the_planner_counts(shape, layers, argv, gpus, fake_world, monkeypatch,
+                                                            tmp_path):  # fmt: skip
+    """Chapter 10's first stage at its real widths and rows, under FSDPMemTracker (tools.memory),
+    with fewer blocks (4 per stage at 405B, whose stages hold 16; 2 at 70B): its weights and AdamW
+    state are the planner's, and its peak within 10% of the planner's (eager). At full size:
+    README, "Llama-3.1-405B on 512 GPUs" (measured 61.4 GiB, planned 63.7) and "Llama-3.1-70B at
+    131,072 tokens" (38.4, planned 46.8 with the gradients FSDP makes after the peak)."""
+    from transformers import AutoConfig
+
+    from tools.memory import GIB, composed_peak
+    from tools.plan import Layout, count, plan
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    fake_world(gpus)
+    config = AutoConfig.from_pretrained(REPO / "tools" / "model_shapes" / shape)
+    config.num_hidden_layers = layers
+    argv = [*argv, "--activation-checkpointing"]
+    peak = composed_peak(load("10-nd-parallel"), config, argv, gpus)
+    config.save_pretrained(tmp_path)
+    args = load("10-nd-parallel").get_parser().parse_args(argv)
+    layout = Layout("asked", gpus, args.tp_size, True, "full", cp=args.cp_size, pp=args.pp_size)
+    planned = plan(count(str(tmp_path)), layout, args.batch_size, args.seq_length, 2, False, compiled=False)
+    total = planned.get("first stage total", planned["total"]) / GIB
+    print(f"\n{shape} at {layers} blocks: {peak['Total']:.2f} GiB measured, {total:.2f} planned")
+    state = (planned["weights"] + planned["optimizer"]) / GIB  # FSDP pads a few shards: 0.01%
+    assert peak["Sharded Param"] + peak["OptState"] == pytest.approx(state, rel=1e-3)
+    assert peak["Total"] == pytest.approx(total, rel=0.1)

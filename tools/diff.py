@@ -4,6 +4,7 @@
     python -m tools.diff 04 07      # chapter 07 (context parallel) builds on chapter 04
     python -m tools.diff 04 08      # chapter 08 (pipeline parallel) too
     python -m tools.diff 04 09      # and chapter 09 (expert parallel)
+    python -m tools.diff 05 10      # chapter 10 (every parallelism) builds on chapter 05 (FSDP x TP)
     python -m tools.diff --update   # rewrite the diff embedded in every chapter README
 
 A chapter README embeds its diff between two markers, which `--update` rewrites and the test
@@ -32,8 +33,10 @@ def chapters() -> list[Path]:
 # A chapter's README embeds its diff against the chapter before it, or against the one it builds on:
 # context parallel is chapter 04's FSDP plus CP, the layout long-context training runs; pipeline parallel
 # is chapter 04's FSDP within each stage, plus the stages; expert parallel, chapter 04's FSDP of the
-# dense weights, plus the experts over their own ranks.
-BASES = {"07-context-parallel": "04-fsdp", "08-pipeline-parallel": "04-fsdp", "09-expert-parallel": "04-fsdp"}
+# dense weights, plus the experts over their own ranks. The composed chapter is chapter 05's FSDP x TP,
+# plus 07's context parallel and 08's stages on one mesh.
+BASES = {"07-context-parallel": "04-fsdp", "08-pipeline-parallel": "04-fsdp", "09-expert-parallel": "04-fsdp",
+         "10-nd-parallel": "05-tensor-parallel"}  # fmt: skip
 
 
 def base(chapter_dir: Path) -> Path:

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import functools
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from unittest import mock
@@ -120,6 +121,98 @@ def tracked_peak(chapter, config, mesh, argv, cp_mesh=None, expert_mesh=None) ->
     return {getattr(kind, "value", kind): value / GIB for kind, value in tracker.get_tracker_snapshot("peak")[device].items()}
 
 
+@contextlib.contextmanager
+def composed_rank(chapter, config, argv, world_size: int, before_micro_batch=lambda: None):
+    """Chapter 10 as its main() builds it (its meshes, the cut into this rank's stages, parallelize,
+    the schedule) on the rank the fake process group plays, in fake tensors: yields (model, its
+    stage modules, the optimizer, step), where step() runs one train_step of random rows, calling
+    `before_micro_batch` before each micro-batch a stage runs and each micro-step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # private: see tracked_peak's imports
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining.stage import PipelineStage
+    from torch.distributed.tensor import _sharding_prop
+    from transformers import AutoModelForCausalLM, masking_utils
+    from transformers.utils import import_utils
+
+    from common import PhaseTimers, checkpoint_blocks, transformer_blocks
+
+    args = chapter.get_parser().parse_args(argv)
+    device = torch.device("cpu")
+    mesh, cp_mesh = chapter.dims.build_meshes("cpu", args, world_size)
+    not_tracing = mock.patch.object(masking_utils, "is_tracing", lambda tensor=None: import_utils.is_tracing())
+    not_packed = mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if args.activation_checkpointing:
+        checkpoint_blocks(transformer_blocks(model), args.activation_checkpointing)
+    blocks = transformer_blocks(model)
+    chapter.dims.check_model(model, blocks, args)
+    chapter.cpu_ring_attention.register(device)
+    num_stages, stage_ids = chapter.pipeline.rank_stages(args, mesh["pp"].get_local_rank())
+    stage_modules = [model]
+    if args.pp_size > 1:
+        stage_modules, blocks = chapter.pipeline.split(model, blocks, stage_ids, num_stages)
+    chapter.parallelize(model, stage_modules, blocks, mesh, args, torch.bfloat16, use_compile=False)
+    own_mode = mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *args: None)
+    # A pipeline's ranks first vote, by sends and receives, on whether every stage knows its
+    # neighbours' shapes: the fake group's receives hold no votes. The chapter gives its shapes.
+    # Private, checked on torch 2.13. If it moves: chapter 10's figures fail here (AttributeError)
+    # or its stages try to exchange their shapes: set what the schedule's warm-up then reads.
+    given = mock.patch.object(schedules._PipelineSchedule, "_warmup_p2p", shapes_given)
+    run_micro_batch = PipelineStage.forward_maybe_with_nosync
+
+    def announced(stage, *inputs, **kwargs):
+        before_micro_batch()
+        return run_micro_batch(stage, *inputs, **kwargs)
+
+    each = mock.patch.object(PipelineStage, "forward_maybe_with_nosync", announced)
+    with FakeTensorMode(allow_non_fake_inputs=True), not_tracing, not_packed, own_mode, given, each:
+        for stage_module in stage_modules:
+            stage_module.to_empty(device=device)
+        schedule = chapter.pipeline_schedule(stage_modules, stage_ids, num_stages, mesh, args, config,
+                                             torch.bfloat16, device)  # fmt: skip
+        optimizer = torch.optim.AdamW(model.parameters(), foreach=False)  # as tracked_peak's
+        lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+        def batches():
+            while True:
+                before_micro_batch()
+                ids = torch.randint(0, config.vocab_size, (args.pp_size * args.batch_size, args.seq_length))
+                yield {"input_ids": ids, "labels": ids}
+
+        autocast = functools.partial(torch.autocast, device.type, enabled=False)
+        step = functools.partial(chapter.train_step, model, schedule, batches(), optimizer, lr_scheduler, args)
+        yield model, stage_modules, optimizer, lambda: step(PhaseTimers(device), autocast, device, mesh, cp_mesh)
+
+
+def composed_peak(chapter, config, argv, world_size: int) -> dict:
+    """Chapter 10's step on the rank the fake process group plays (the first stage's rank 0, or the
+    last stage's): GiB at the peak of its second step (the first makes AdamW's state), by
+    FSDPMemTracker's kinds. The tracker follows one forward per module at a time: it starts afresh
+    at each micro-batch a stage runs (its peak, the step's, is kept)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    trackers = []
+    with composed_rank(chapter, config, argv, world_size, lambda: [t.reset_mod_stats() for t in trackers]) as (
+        _, stage_modules, optimizer, step,
+    ):  # fmt: skip
+        tracker = FSDPMemTracker(stage_modules[0], optimizer)
+        trackers.append(tracker)
+        step()  # AdamW makes its moments
+        with tracker:
+            step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return {getattr(kind, "value", kind): value / GIB for kind, value in peak.items()}
+
+
+def shapes_given(schedule, stages, has_backward, p2p_done):
+    """The pipeline's warm-up vote, decided: every stage was given its shapes (static)."""
+    from torch.distributed.pipelining._utils import InferenceMode  # private: see composed_peak
+
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
+
+
 def even_splits():
     """Chapter 09's dispatch reads its all-to-all's split sizes on the host (`tolist` of the copies each
     rank sends and receives), which fake tensors do not have: here the router's choices spread evenly
@@ -163,10 +256,14 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=1, help="rows per replica per micro-step")
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--grad-accum-steps", type=int, default=1)
+    parser.add_argument("--pp-size", type=int, default=1, help="pipeline stages (chapter 10, with tp and cp)")
+    parser.add_argument("--pp-schedule", default="1F1B")
+    parser.add_argument("--last-stage", action="store_true", help="play the last stage's rank, not rank 0")
     args = parser.parse_args(argv)
-    if sum(size > 1 for size in (args.tp_size, args.cp_size, args.ep_size)) > 1:
-        parser.error("--tp-size, --cp-size, --ep-size: no chapter combines them (05 is FSDP x TP, 07 FSDP x CP, "
-                     "09 FSDP x EP); pass one")  # fmt: skip
+    if args.ep_size > 1 and max(args.tp_size, args.cp_size, args.pp_size) > 1:
+        parser.error("--ep-size is chapter 09's, on FSDP alone: without --tp-size, --cp-size, --pp-size")
+    if args.pp_size > 1 or args.tp_size > 1 and args.cp_size > 1:  # chapter 10's mesh
+        return main_composed(args)
 
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoConfig
@@ -216,6 +313,39 @@ def main(argv=None) -> None:
         ("activations", peak["Activation"] + peak["Temp"] + peak["Inputs"] + peak["Buffer"],
          (planned["activations"] + planned["loss backward"]) / GIB),
         ("total", peak["Total"], planned["total"] / GIB),
+    ]  # fmt: skip
+    for name, measured, predicted in rows:
+        print(f"  {name:<30} {measured:10.2f} {predicted:27.2f}")
+    print("measured, by FSDPMemTracker's kinds: " + ", ".join(f"{kind} {gib:.2f}" for kind, gib in peak.items()))
+
+
+def main_composed(args) -> None:
+    """Chapter 10 (--pp-size, or --tp-size with --cp-size): its step on rank 0 (the first stage's)
+    or the last stage's first rank, beside the planner's figures for that stage."""
+    from transformers import AutoConfig
+
+    gpus = args.nodes * args.gpus_per_node
+    argv = ["--batch-size", str(args.batch_size), "--seq-length", str(args.seq_length)]
+    argv += ["--grad-accum-steps", str(args.grad_accum_steps), "--pp-size", str(args.pp_size)]
+    argv += ["--tp-size", str(args.tp_size), "--cp-size", str(args.cp_size), "--pp-schedule", args.pp_schedule]
+    argv += ["--shard-size", str(args.shard_size)] if args.shard_size else []
+    argv += ["--activation-checkpointing", args.activation_checkpointing] if args.activation_checkpointing else []
+    rank = (args.pp_size - 1) * gpus // args.pp_size if args.last_stage else 0
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(args.gpus_per_node))  # torchrun's, which 05's check reads
+    dist.init_process_group("fake", rank=rank, world_size=gpus)  # given no store, it makes its own
+    peak = composed_peak(load("10-nd-parallel"), AutoConfig.from_pretrained(args.model), argv, gpus)
+    dist.destroy_process_group()
+    layout = Layout("asked", gpus, args.tp_size, True, args.activation_checkpointing, args.shard_size,
+                    args.gpus_per_node, cp=args.cp_size, pp=args.pp_size, schedule=args.pp_schedule)  # fmt: skip
+    planned = plan(count(args.model), layout, args.batch_size, args.seq_length, 2, False, compiled=False)
+    planned = planned.get("last stage", planned) if args.last_stage else planned
+    stage = "last stage" if args.last_stage else "first stage"
+    print(f"{args.model}, chapter 10 on {args.nodes} x {args.gpus_per_node} GPUs, rank {rank} ({stage}), {' '.join(argv)}")
+    print("GiB per GPU at the step's peak   measured (FSDPMemTracker)   planned (tools.plan, not compiled)")
+    rows = [
+        ("weights and optimizer", peak["Sharded Param"] + peak["OptState"],
+         (planned["weights"] + planned["optimizer"]) / GIB),
+        ("total", peak["Total"], (planned.get("first stage total") or planned["total"]) / GIB),
     ]  # fmt: skip
     for name, measured, predicted in rows:
         print(f"  {name:<30} {measured:10.2f} {predicted:27.2f}")
