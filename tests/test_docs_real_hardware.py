@@ -32,6 +32,7 @@ SHAPES = {
     "meta-llama/Llama-3.2-1B": "tools/llama_1b_shape",
     "meta-llama/Llama-3.1-8B": "tools/model_shapes/llama-3.1-8b",
     "meta-llama/Llama-3.1-70B": "tools/model_shapes/llama-3.1-70b",
+    "meta-llama/Llama-3.1-405B": "tools/model_shapes/llama-3.1-405b",
     "Qwen/Qwen3-30B-A3B": "tools/model_shapes/qwen3-30b-a3b",
     "/tmp/llama_1b_2_layers": "tools/llama_1b_shape",  # BENCHMARKS.md makes it from that shape (2 blocks)
 }

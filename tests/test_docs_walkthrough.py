@@ -87,8 +87,11 @@ def test_a_reader_runs_the_cpu_commands_in_order(file, tmp_path, hf_home, monkey
             ran += 1
             continue
         steps.unlink(missing_ok=True)
-        # tools.memory of a real shape: its widths, 2 blocks (minutes more for the rest, the same code)
-        blocks = {"PROBE_DRY_RUN_BLOCKS": "2"} if kind[:2] == ("tool", "memory") else {}
+        # tools.memory of a real shape: its widths, 2 blocks, or one per pipeline stage (minutes more
+        # for the rest, the same code)
+        words = command.text.split()
+        stages = int(words[words.index("--pp-size") + 1]) if "--pp-size" in words else 1
+        blocks = {"PROBE_DRY_RUN_BLOCKS": str(max(2, stages))} if kind[:2] == ("tool", "memory") else {}
         proc = subprocess.run(["bash", "-c", command.text], cwd=folder, env=env | blocks, capture_output=True,
                               text=True, timeout=300, check=False)  # fmt: skip
         output = proc.stdout + proc.stderr

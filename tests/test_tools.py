@@ -552,7 +552,7 @@ def test_planner_counts_a_start_from_published_weights_and_an_export_by_hand(cap
 
     main([str(REPO / "tools" / "model_shapes" / "llama-3.1-70b"), "--nodes", "4"])
     out = capsys.readouterr().out
-    assert "Published weights (04-09), bfloat16 safetensors; shared storage at 2 GB/s per" in out
+    assert "Published weights (04-10), bfloat16 safetensors; shared storage at 2 GB/s per" in out
     read = f"reads its own slices: {model / 32 / GIB:.2f} GiB, a node {model / 4 / GIB:.2f} GiB"
     assert f"{read} ({model / 4 / 2e9:.1f} s)" in out
     assert "then 28 files of <= 5 GiB, merged by 28 GPUs on 4 nodes" in out

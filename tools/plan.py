@@ -238,7 +238,7 @@ def main(argv=None) -> None:
         r = plan(m, layout, args.batch_size, args.seq_length, compute_bytes, args.fp8, args.compile)
         fits = r["total"] <= usable
         fitting = fitting or (layout if fits else None)
-        rows.append((layout.name, r["total"], r["network_per_nic"], fits))
+        rows.append((layout.name, r["total"], r["network_per_nic"] + r.get("network_cp", 0), fits))
     width = max([22, *(len(name) for name, *_ in rows)])
     for name, total, network, fits in rows:
         fit = "fits" if fits else "does not fit"
@@ -379,7 +379,7 @@ def print_published(m: dict, layout: Layout, result: dict, gbps: float) -> None:
     def plural(n, thing):
         return f"{n} {thing}{'s' if n != 1 else ''}"
 
-    print(f"Published weights (04-09), {dtype} safetensors; shared storage at {gbps:g} GB/s per "
+    print(f"Published weights (04-10), {dtype} safetensors; shared storage at {gbps:g} GB/s per "
           "node (--storage-gbps, assumed):")  # fmt: skip
     print(f"  --from-pretrained, each GPU reads its own slices: {gib(io['read'])}, a node "
           f"{timed(io['read_node'])}")  # fmt: skip
