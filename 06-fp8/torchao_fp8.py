@@ -155,6 +155,14 @@ def fp8_summary(model, blocks, filtered: str) -> tuple[int, str]:
     return in_fp8, f"{in_fp8} of the blocks' {total} matmul layers compute in FP8; in high precision: {reasons}"
 
 
+def check_in_fp8(model, blocks, args) -> str:
+    """The line saying which of the blocks' layers compute in FP8; refuses a run with none."""
+    in_fp8, summary = fp8_summary(model, blocks, fp8_left_out(args))
+    if not in_fp8:
+        raise SystemExit(f"error: no layer would compute in FP8: {summary}")
+    return summary
+
+
 def fp8_left_out(args) -> str:
     """Why fp8_filter left an nn.Linear of the blocks out, for fp8_summary."""
     if args.fp8_layers == "fast":
@@ -167,6 +175,11 @@ def fp8_left_out(args) -> str:
 # checkpoints and exports, and a run no longer resumes the other backend's checkpoints ("Missing
 # key"): match the new key.
 EXTRA_STATE = "_extra_state"
+
+
+def extra_state(model) -> dict:
+    """TE's layers' extra state (FP8 metadata), which a Hugging Face model's state lacks."""
+    return {k: v for k, v in model.state_dict().items() if k.endswith(EXTRA_STATE)}
 
 
 def weights_only(model_state: dict) -> dict:

@@ -313,8 +313,7 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
     with timers("optimizer"):
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
-        # The next step's FP8 weight scales at once (one all-reduce for their amaxes; none to make
-        # without FSDP's FP8 all-gathers).
+        # The next step's FP8 weight scales: one all-reduce of their amaxes (none without FP8 gathers).
         precompute_float8_dynamic_scale_for_fsdp(model)
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -342,8 +341,7 @@ def send_full_weights(model, full_model, device):
     rank = dist.get_rank()
     full_state = full_model.state_dict() if rank == 0 else {}
     if rank == 0:  # TE's layers have an extra state (FP8 metadata; none yet) that HF's lack
-        extra = {k: v for k, v in model.state_dict().items() if k.endswith(torchao_fp8.EXTRA_STATE)}
-        full_state |= extra
+        full_state |= torchao_fp8.extra_state(model)
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     # Non-state-dict buffers (rotary frequencies) are sent too, to the device (to_empty: maybe CPU).
     for name, buffer in model.named_buffers():
@@ -369,10 +367,7 @@ def parallelize(model, blocks, mesh, args, dtype, use_compile):
         # weight eagerly per unshard outside the compiled block and skip FSDP's fused copy: no gain.
         apply_float8(blocks, args, fp8_all_gather and mesh["shard"].size() > 1)
     # A run "in FP8" with no layer in FP8 is only slower: refused; else, what is in FP8 is logged.
-    in_fp8, summary = torchao_fp8.fp8_summary(model, blocks, torchao_fp8.fp8_left_out(args))
-    if not in_fp8:
-        raise SystemExit(f"error: no layer would compute in FP8: {summary}")
-    logger.info(summary)
+    logger.info(torchao_fp8.check_in_fp8(model, blocks, args))
     # TP first, then FSDP shards the TP shards over dp: each weight is split in two dimensions.
     if args.tp_size > 1:
         # (gloo cannot send FP8 bytes: on CPU, inputs are all-gathered, then cast: same numbers.)
