@@ -1,8 +1,9 @@
 """The checks and the bookkeeping around expert parallelism, beside the chapter: which layers are a
 mixture of experts and what --ep-size, the model and the balancing flags can take (refused in one
-line before anything is built), the gradient norm over two meshes, the experts' load, and the
-routing biases of DeepSeek-V3's balancing. The dispatch itself, the experts' mesh and their sharding
-are the chapter's (train_llm.py).
+line before anything is built), the experts split over the ep ranks and each token sent to its
+experts' ranks and back (apply_expert_parallel, dispatch), the gradient norm over two meshes, the
+experts' load, and the routing biases of DeepSeek-V3's balancing. The experts' mesh and their
+sharding are the chapter's (train_llm.py); chapter 10 carries this file unchanged.
 
 The experts are Hugging Face's own, through the contract every MoE family follows in transformers 5
 (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, gpt-oss, GLM-4.5, ...): a module called as
@@ -15,6 +16,8 @@ shard it themselves), and is missing from the 5.x versions pyproject.toml admits
 the same thing, in its own 40 lines, on PyTorch's collectives.
 """
 
+import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -22,9 +25,13 @@ import re
 
 import torch
 import torch.distributed as dist
+
+# Private, checked on torch 2.11-2.14 (its public torch.distributed.nn.functional version is
+# deprecated for it). If it moves: chapter 09 fails at import: use the home that warning names.
+import torch.distributed._functional_collectives as funcol
 import transformers
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from transformers import AutoModelForCausalLM
 
 import common
@@ -206,10 +213,85 @@ def set_balancing_loss(config, args) -> None:
         config.output_router_logits, config.router_aux_loss_coef = coef > 0, coef
 
 
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+def apply_expert_parallel(moe_layers, ep_mesh):
+    """Each layer's experts split over the ep ranks: every weight's dim 0 (experts) a DTensor
+    sharded on the ep mesh, so that checkpoints keep chapter 04's names and full shapes. The
+    module's forward becomes dispatch(), which sends the tokens to their experts' ranks and runs
+    HF's forward there on the rank's E / ep experts: replaced on the module, as transformers' own
+    expert parallel does, which keeps its class, names and attributes for the MoE block's code (a
+    hook cannot skip HF's forward over all E; a wrapper module would be another class)."""
+    group = ep_mesh.get_group()
+    for experts_module in moe_layers:
+        for name, param in experts_module.named_parameters(recurse=False):
+            sharded = distribute_tensor(param, ep_mesh, [Shard(0)], src_data_rank=None)
+            experts_module.register_parameter(name, nn.Parameter(sharded))
+        forward = functools.partial(dispatch, experts_module, experts_module.forward, group)
+        experts_module.forward = torch.compiler.disable(forward)  # sizes known at run time: eager
+
+
+def dispatch(experts_module, local_forward, group, hidden_states, top_k_index, top_k_weights):
+    """Every rank calls this: the experts' forward under EP, as torchtitan's token dispatcher and
+    transformers' AllToAllEP do it: each token's top-k copies go to the ranks holding their experts,
+    are computed there and come back, weighed by the router's gates. Autograd's all-to-all sends
+    their gradients back over the reversed splits."""
+    ep_size, top_k = group.size(), top_k_index.shape[-1]
+    # 1. The copies sorted by expert: a rank's experts are consecutive, so sorted by rank too.
+    expert_ids = top_k_index.flatten()
+    order = expert_ids.argsort(stable=True)
+    send_counts = expert_ids.new_zeros(experts_module.num_experts)
+    send_counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))  # copies per expert
+    # 2. The counts exchanged: how many copies each rank receives for each of its experts. The split
+    # sizes are read on the host (a GPU sync per layer, as in every EP with uneven splits).
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_splits = send_counts.view(ep_size, -1).sum(1).tolist()
+    recv_splits = recv_counts.view(ep_size, -1).sum(1).tolist()
+    # 3. The copies to their experts' ranks, grouped by sender, then by expert.
+    sent = hidden_states[order // top_k]
+    received = funcol.all_to_all_single_autograd(sent, recv_splits, send_splits, group)
+    num_local = experts_module.num_experts // ep_size
+    local_ids = torch.arange(num_local, device=received.device).repeat(ep_size)
+    local_ids = local_ids.repeat_interleave(recv_counts, output_size=sum(recv_splits))
+    # 4. The local experts, each copy on one expert at weight 1 (the gates are applied back home).
+    # A rank that received nothing runs them on one zero row, sliced away: grouped_mm's backward
+    # refuses 0 rows, and its experts then have gradients (zeros) for FSDP to reduce-scatter. The
+    # row is the sum of the none received: backward still reaches this rank's all-to-all, which
+    # every rank of the group must join.
+    rows, ids = received, local_ids
+    if not len(local_ids):
+        rows, ids = received.sum(0, keepdim=True), local_ids.new_zeros(1)
+    with local_experts(experts_module, num_local):
+        computed = local_forward(rows, ids[:, None], rows.new_ones(len(ids), 1))
+    computed = computed[: len(local_ids)]
+    # 5. Back to the senders, in the copies' first order, weighed by the gates and summed per token.
+    returned = funcol.all_to_all_single_autograd(computed, send_splits, recv_splits, group)
+    outputs = returned[order.argsort()].view(*top_k_weights.shape, -1)
+    return (outputs * top_k_weights[..., None]).sum(1).to(hidden_states.dtype)
+
+
+@contextlib.contextmanager
+def local_experts(experts_module, num_local):
+    """The module as this rank's experts, for HF's forward: its weights their DTensors' local
+    shards, its count E / ep; then put back. Through `_parameters`, as transformers' own expert
+    parallel does (_use_local_dtensor_params): register_parameter refuses the weights FSDP gathers
+    (not leaves), and a copy of the module to call instead would run its hooks twice."""
+    sharded = dict(experts_module.named_parameters(recurse=False))
+    num_experts = experts_module.num_experts
+    # Module's private _parameters, checked on torch 2.11-2.14. If it moves: chapter 09 fails at its
+    # first step in local_experts: swap the weights as FSDP2's fully_shard then does.
+    experts_module._parameters.update({name: param.to_local() for name, param in sharded.items()})
+    experts_module.num_experts = num_local
+    try:
+        yield
+    finally:
+        experts_module._parameters.update(sharded)
+        experts_module.num_experts = num_experts
+
+
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     """Every rank calls this: torch's clip_grad_norm_, over gradients on two meshes (the dense one
     and the experts'), which it refuses ("must have the same mesh"): the norm of each mesh's
-    gradients, combined; then each scaled."""
+    gradients, combined (and, with `pp_group`, over every pipeline stage's); then each scaled."""
     by_mesh = {}
     for param in parameters:
         if param.grad is not None:
@@ -217,6 +299,10 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     grads = [[param.grad for param in params] for params in by_mesh.values()]
     norms = [torch.nn.utils.get_total_norm(mesh_grads).full_tensor() for mesh_grads in grads]
     total_norm = torch.linalg.vector_norm(torch.stack(norms))
+    if pp_group is not None:  # the other stages' gradients: their squares summed
+        total_norm = total_norm**2
+        dist.all_reduce(total_norm, group=pp_group)
+        total_norm = total_norm.sqrt()
     for params in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
     return total_norm
@@ -252,7 +338,8 @@ def track_load(model: nn.Module, layers: list[nn.Module], rate: float | None) ->
         )
 
     rate = BIAS_UPDATE_RATE if rate is None else rate
-    for module, bias in zip(layers, routing_biases(model, layers)):
+    for index, (module, bias) in enumerate(zip(layers, routing_biases(model, layers))):
+        module.layer_index = index  # among the model's layers of experts (a stage holds some)
         module.register_forward_pre_hook(torch.compiler.disable(count))
         module.load_since_log = 0
         module.routing_bias, module.bias_update_rate = bias if rate else None, rate
@@ -260,19 +347,23 @@ def track_load(model: nn.Module, layers: list[nn.Module], rate: float | None) ->
         logger.info(f"The routers' routing biases moved toward even loads by {rate} per step")
 
 
-def last_load(layers: list[nn.Module]) -> torch.Tensor:
-    """(layers, experts): the tokens each router sent to each expert in its last call, here."""
-    return torch.stack([module.load for module in layers])
+def last_load(layers: list[nn.Module]) -> torch.Tensor | int:
+    """(layers, experts): the tokens each router sent to each expert in its last call, here (0: a
+    pipeline stage with no layer of experts)."""
+    return torch.stack([module.load for module in layers]) if layers else 0
 
 
-def update_load(layers: list[nn.Module], step_load: torch.Tensor) -> None:
+def update_load(layers: list[nn.Module], step_load: torch.Tensor, group=None) -> None:
     """Every rank calls this: after each optimizer step: the step's load summed over all ranks (each
-    counted the tokens it sent), kept for the log line; and DeepSeek-V3's auxiliary-loss-free
-    balancing: each layer's routing bias moved toward even loads, up by the rate for the experts
-    below the mean load, down for those above (torchtitan's update: the sign of each one's deficit,
-    centred). Every rank moves it the same, from the same counts."""
+    counted the tokens it sent; with pipeline stages, over `group`: the ranks that hold the same
+    layers), kept for the log line; and DeepSeek-V3's auxiliary-loss-free balancing: each layer's
+    routing bias moved toward even loads, up by the rate for the experts below the mean load, down
+    for those above (torchtitan's update: the sign of each one's deficit, centred). Every rank
+    moves it the same, from the same counts."""
+    if not layers:  # a stage with none: nor have the others of its group
+        return
     step_load = step_load.float()
-    dist.all_reduce(step_load)
+    dist.all_reduce(step_load, group=group)
     for module, load in zip(layers, step_load):
         module.load_since_log = module.load_since_log + load
         if module.routing_bias:
@@ -287,13 +378,21 @@ def update_load(layers: list[nn.Module], step_load: torch.Tensor) -> None:
                 bias.add_(delta)
 
 
-def load_metrics(layers: list[nn.Module]) -> dict:
-    """Each layer's tokens per expert since the last log, over all ranks: the busiest expert against
+def load_metrics(layers: list[nn.Module], pp_group=None) -> dict:
+    """Every rank calls this with `pp_group` (an all-gather of every stage's layers; none without):
+    each layer's tokens per expert since the last log, over all ranks: the busiest expert against
     the mean, per layer and the worst. An expert twice as busy as the mean takes twice as long, and
     all ranks wait for it; summed by update_load, reset here."""
-    counts = torch.stack([module.load_since_log for module in layers])  # (layers, experts)
-    ratios = (counts.max(dim=1).values / counts.mean(dim=1)).tolist()
+    ratios = {}
+    if layers:  # a pipeline stage may hold none
+        counts = torch.stack([module.load_since_log for module in layers])  # (layers, experts)
+        busiest = (counts.max(dim=1).values / counts.mean(dim=1)).tolist()
+        ratios = {module.layer_index: ratio for module, ratio in zip(layers, busiest)}
     for module in layers:
         module.load_since_log = 0
-    per_layer = {f"experts/load_layer_{i}": ratio for i, ratio in enumerate(ratios)}
-    return {"experts/load": max(ratios), **per_layer}
+    if pp_group is not None:
+        every = [None] * pp_group.size()
+        dist.all_gather_object(every, ratios, group=pp_group)
+        ratios = {index: ratio for stage in every for index, ratio in stage.items()}
+    per_layer = {f"experts/load_layer_{i}": ratios[i] for i in sorted(ratios)}
+    return {"experts/load": max(ratios.values()), **per_layer}

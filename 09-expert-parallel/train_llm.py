@@ -8,7 +8,6 @@ With no arguments it trains a tiny Qwen3-MoE on a small task dataset, both shipp
 Rerunning the same command resumes from the last checkpoint in --save-dir/--experiment-name.
 """
 
-import contextlib
 import functools
 import gc
 import json
@@ -24,9 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-# Private, checked on torch 2.11-2.14 (its public torch.distributed.nn.functional version is
-# deprecated for it). If it moves: chapter 09 fails at import: use the home that warning names.
-import torch.distributed._functional_collectives as funcol
 import torch.distributed.checkpoint as dcp
 import tqdm
 import wandb
@@ -35,10 +31,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
-from torch import nn
 from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
 import common
@@ -352,7 +346,7 @@ def parallelize(model, blocks, mesh, expert_mesh, args, dtype, use_compile):
     is the model; main() has switched on activation checkpointing): experts on their ranks, compile,
     then FSDP. Returns the experts modules."""
     moe_layers = common.experts_modules(model)
-    apply_expert_parallel(moe_layers, expert_mesh["ep"])
+    experts.apply_expert_parallel(moe_layers, expert_mesh["ep"])  # each rank its E / ep of them
     experts.track_load(model, moe_layers, args.bias_update_rate)  # and the routing biases to move
     if use_compile:
         # Each block on its own, FSDP's hooks between blocks outside the compiled code; not whole
@@ -368,81 +362,6 @@ def parallelize(model, blocks, mesh, expert_mesh, args, dtype, use_compile):
     expert_fsdp_mesh = expert_mesh["replicate", "efsdp"] if hsdp else expert_mesh["efsdp"]
     apply_fsdp(model, blocks, moe_layers, fsdp_mesh, expert_fsdp_mesh, mp_policy, offload_policy)
     return moe_layers
-
-
-def apply_expert_parallel(moe_layers, ep_mesh):
-    """Each layer's experts split over the ep ranks: every weight's dim 0 (experts) a DTensor
-    sharded on the ep mesh, so that checkpoints keep chapter 04's names and full shapes. The
-    module's forward becomes dispatch(), which sends the tokens to their experts' ranks and runs
-    HF's forward there on the rank's E / ep experts: replaced on the module, as transformers' own
-    expert parallel does, which keeps its class, names and attributes for the MoE block's code (a
-    hook cannot skip HF's forward over all E; a wrapper module would be another class)."""
-    group = ep_mesh.get_group()
-    for experts_module in moe_layers:
-        for name, param in experts_module.named_parameters(recurse=False):
-            sharded = distribute_tensor(param, ep_mesh, [Shard(0)], src_data_rank=None)
-            experts_module.register_parameter(name, nn.Parameter(sharded))
-        forward = functools.partial(dispatch, experts_module, experts_module.forward, group)
-        experts_module.forward = torch.compiler.disable(forward)  # sizes known at run time: eager
-
-
-def dispatch(experts_module, local_forward, group, hidden_states, top_k_index, top_k_weights):
-    """Every rank calls this: the experts' forward under EP, as torchtitan's token dispatcher and
-    transformers' AllToAllEP do it: each token's top-k copies go to the ranks holding their experts,
-    are computed there and come back, weighed by the router's gates. Autograd's all-to-all sends
-    their gradients back over the reversed splits."""
-    ep_size, top_k = group.size(), top_k_index.shape[-1]
-    # 1. The copies sorted by expert: a rank's experts are consecutive, so sorted by rank too.
-    expert_ids = top_k_index.flatten()
-    order = expert_ids.argsort(stable=True)
-    send_counts = expert_ids.new_zeros(experts_module.num_experts)
-    send_counts.scatter_add_(0, expert_ids, torch.ones_like(expert_ids))  # copies per expert
-    # 2. The counts exchanged: how many copies each rank receives for each of its experts. The split
-    # sizes are read on the host (a GPU sync per layer, as in every EP with uneven splits).
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send_splits = send_counts.view(ep_size, -1).sum(1).tolist()
-    recv_splits = recv_counts.view(ep_size, -1).sum(1).tolist()
-    # 3. The copies to their experts' ranks, grouped by sender, then by expert.
-    sent = hidden_states[order // top_k]
-    received = funcol.all_to_all_single_autograd(sent, recv_splits, send_splits, group)
-    num_local = experts_module.num_experts // ep_size
-    local_ids = torch.arange(num_local, device=received.device).repeat(ep_size)
-    local_ids = local_ids.repeat_interleave(recv_counts, output_size=sum(recv_splits))
-    # 4. The local experts, each copy on one expert at weight 1 (the gates are applied back home).
-    # A rank that received nothing runs them on one zero row, sliced away: grouped_mm's backward
-    # refuses 0 rows, and its experts then have gradients (zeros) for FSDP to reduce-scatter. The
-    # row is the sum of the none received: backward still reaches this rank's all-to-all, which
-    # every rank of the group must join.
-    rows, ids = received, local_ids
-    if not len(local_ids):
-        rows, ids = received.sum(0, keepdim=True), local_ids.new_zeros(1)
-    with local_experts(experts_module, num_local):
-        computed = local_forward(rows, ids[:, None], rows.new_ones(len(ids), 1))
-    computed = computed[: len(local_ids)]
-    # 5. Back to the senders, in the copies' first order, weighed by the gates and summed per token.
-    returned = funcol.all_to_all_single_autograd(computed, send_splits, recv_splits, group)
-    outputs = returned[order.argsort()].view(*top_k_weights.shape, -1)
-    return (outputs * top_k_weights[..., None]).sum(1).to(hidden_states.dtype)
-
-
-@contextlib.contextmanager
-def local_experts(experts_module, num_local):
-    """The module as this rank's experts, for HF's forward: its weights their DTensors' local
-    shards, its count E / ep; then put back. Through `_parameters`, as transformers' own expert
-    parallel does (_use_local_dtensor_params): register_parameter refuses the weights FSDP gathers
-    (not leaves), and a copy of the module to call instead would run its hooks twice."""
-    sharded = dict(experts_module.named_parameters(recurse=False))
-    num_experts = experts_module.num_experts
-    # Module's private _parameters, checked on torch 2.11-2.14. If it moves: chapter 09 fails at its
-    # first step in local_experts: swap the weights as FSDP2's fully_shard then does.
-    experts_module._parameters.update({name: param.to_local() for name, param in sharded.items()})
-    experts_module.num_experts = num_local
-    try:
-        yield
-    finally:
-        experts_module._parameters.update(sharded)
-        experts_module.num_experts = num_experts
 
 
 def apply_fsdp(model, blocks, moe_layers, mesh, expert_mesh, mp_policy, offload_policy):

@@ -65,7 +65,7 @@ def train(family, mesh, tp, cp=1, ep=1):
 
         layers = chapter.experts.check_model(model, chapter.get_parser().parse_args(["--ep-size", "2"]), torch.float32)
         expert_mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("replicate", "efsdp", "ep"))
-        chapter.apply_expert_parallel(layers, expert_mesh["ep"])
+        chapter.experts.apply_expert_parallel(layers, expert_mesh["ep"])
         chapter.apply_fsdp(model, blocks, layers, fsdp_mesh, expert_mesh["efsdp"], mp_policy, OffloadPolicy())
     else:
         chapter.apply_fsdp(model, blocks, fsdp_mesh, mp_policy, OffloadPolicy())
