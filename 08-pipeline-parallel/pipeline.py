@@ -33,7 +33,7 @@ STAGES_PER_RANK = 2  # with the looped schedules: torchtitan's default (more: a 
 # (tests/test_08_pipeline_parallel.py): each stage's output chained equals the whole model's logits.
 # Not GPT-2 (another layout, and position embeddings added to the input), Granite (its forward scales
 # the input embeddings, which a later stage would do again), nor tied embeddings across stages.
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "qwen2_moe", "gemma3_text"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gemma3_text"]
 
 
 def check_layout(args, world_size: int, shard_size: int) -> None:
@@ -79,6 +79,12 @@ def check_model(model, blocks, args) -> None:
         raise SystemExit(
             f"error: --pp-size {args.pp_size} with --pp-schedule {args.pp_schedule} makes {stages} stages, more "
             f"than the model's {len(blocks)} blocks; pass a smaller --pp-size or a one-stage-per-rank schedule"
+        )
+    if args.pp_size > 1 and getattr(config.get_text_config(), "output_router_logits", False):
+        raise SystemExit(
+            f"error: --pp-size {args.pp_size}: {name}'s config asks for the routers' balancing loss "
+            "(output_router_logits), which HF computes over every block's router logits at once, and no stage "
+            "holds them all: set it false in the model's config.json, or use --pp-size 1"
         )
     if args.pp_size > 1 and config.tie_word_embeddings:
         raise SystemExit(

@@ -15,6 +15,7 @@ import torch
 from harness import FAST_ARGS, REPO, assert_released_late, differences, last_lines, late_release, losses, rewind
 from harness import run_chapter
 from model_families import config
+from moe_families import tiny_config
 
 CHAPTER = "08-pipeline-parallel"
 STEPS = 12
@@ -191,19 +192,24 @@ def changed(family, **changes):
         ("gpt2", ["--pp-size", "2"], "the stages are cut from Llama-style models (llama, mistral, "),
         ("gemma3_text", ["--pp-size", "2"], "Gemma3ForCausalLM ties its output layer to its input embeddings"),
         ("llama", ["--pp-size", "2", "--pp-schedule", "LoopedBFS"], "makes 4 stages, more than the model's 2 blocks"),
+        ("qwen2_moe", ["--pp-size", "2"], "Qwen2MoeForCausalLM's config asks for the routers' balancing loss"),
     ],
-    ids=["family", "tied", "blocks"],
+    ids=["family", "tied", "blocks", "balancing-loss"],
 )  # fmt: skip
 def test_models_the_stages_cannot_be_cut_from_are_refused(family, argv, message):
-    """In one line, before anything is cut (the tiny configs have 2 blocks)."""
+    """In one line, before anything is cut (the tiny configs have 2 blocks); a MoE's config asking for the
+    balancing loss, which the last stage would drop silently."""
     chapter = load_chapter()
-    model, blocks = meta_model(family)
+    model, blocks = meta_model(family, **({"output_router_logits": True} if family == "qwen2_moe" else {}))
     with pytest.raises(SystemExit) as refused:
         chapter.pipeline.check_model(model, blocks, chapter.get_parser().parse_args(argv))
     assert str(refused.value).startswith(f"error: --pp-size 2") and message in str(refused.value), refused.value
 
 
-@pytest.mark.parametrize("family", [*SUPPORTED, "gemma3_text"])
+MOE = {"qwen3_moe": {}, "deepseek_v3": {"first_k_dense_replace": 1}}
+
+
+@pytest.mark.parametrize("family", [*SUPPORTED, *MOE, "gemma3_text"])
 def test_the_stages_chained_compute_the_whole_model(family):
     """Each supported family's tiny model cut into 4 stages of 1 block (2 per rank, interleaved, on 2 ranks):
     the first stage from the token ids (embeddings, Gemma 3's scaled), the others from the hidden states,
@@ -215,7 +221,10 @@ def test_the_stages_chained_compute_the_whole_model(family):
     from common import transformer_blocks
 
     chapter = load_chapter()
-    model_config = changed(family, num_hidden_layers=4, tie_word_embeddings=False)
+    if family in MOE:  # tests/moe_families.py's (DeepSeek-V3's first block dense)
+        model_config = tiny_config(family, num_hidden_layers=4, tie_word_embeddings=False, **MOE[family])
+    else:
+        model_config = changed(family, num_hidden_layers=4, tie_word_embeddings=False)
     if getattr(model_config, "layer_types", None):  # Gemma 3's, Qwen's: one per block
         model_config.layer_types = (model_config.layer_types * 4)[:4]
     torch.manual_seed(0)
