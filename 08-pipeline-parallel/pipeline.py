@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 # The schedules the chapter runs: one stage per rank (GPipe: all forwards, then all backwards; 1F1B: a
@@ -181,6 +182,26 @@ def shapes(args, config, dtype, stage: int, num_stages: int) -> dict:
         ids = torch.empty(rows, args.seq_length, dtype=torch.long)
         logits = torch.empty(rows, args.seq_length, config.vocab_size, dtype=dtype, requires_grad=True)
     return {"input_args": ids if stage == 0 else hidden, "output_args": logits if stage == num_stages - 1 else hidden}
+
+
+def send_buffers(model, full_model, device) -> None:
+    """Every rank calls this (a broadcast per buffer): the buffers no state dict holds (rotary frequencies, an
+    embedding's scale), sent from rank 0's full model (`full_model`, else None), which holds every stage's,
+    by its names, to the device (to_empty: maybe CPU); kept by the ranks whose stages hold them. Under TP
+    (chapter 10) some are DTensors, replicated over tp (Gemma's embedding scale): each tp rank keeps one."""
+    rank = dist.get_rank()
+    saved = full_model.state_dict() if rank == 0 else {}
+    names = [rank == 0 and [(n, b.shape, b.dtype) for n, b in full_model.named_buffers() if n not in saved]]
+    dist.broadcast_object_list(names, src=0)
+    held = dict(model.named_buffers())
+    for name, shape, dtype in names[0]:
+        value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(value, src=0)
+        if isinstance(buffer := held.get(name), DTensor):
+            value = DTensor.from_local(value, buffer.device_mesh, buffer.placements, run_check=False)
+        if name in held:
+            module_name, _, buffer_name = name.rpartition(".")
+            setattr(model.get_submodule(module_name), buffer_name, value)
 
 
 def name_every_stage(optimizer_state: dict) -> None:

@@ -348,12 +348,8 @@ def send_full_weights(model, full_model, device):
     # Not strict: rank 0's full weights hold every stage's; each rank's model, only its own stages'.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     assert not set_model_state_dict(model, full_state, options=options).missing_keys
-    # Non-state-dict buffers (rotary frequencies) are sent too, to the device (to_empty: maybe CPU).
-    for name, buffer in model.named_buffers():
-        value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty_like(buffer, device=device)
-        dist.broadcast(value, src=0)
-        module_name, _, buffer_name = name.rpartition(".")
-        setattr(model.get_submodule(module_name), buffer_name, value)
+    # Non-state-dict buffers (rotary frequencies) are sent too: every stage's, by rank 0's names.
+    pipeline.send_buffers(model, full_model, device)
 
 
 def parallelize(model, blocks, mesh, args, dtype, use_compile):

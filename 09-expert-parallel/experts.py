@@ -325,47 +325,43 @@ def routing_biases(model: nn.Module, layers: list[nn.Module]) -> list[tuple | No
 
 
 def track_load(model: nn.Module, layers: list[nn.Module], rate: float | None) -> None:
-    """Each experts module's load: a forward pre-hook keeps the tokens its router sent to each
-    expert in its last call, on this rank (`module.load`); train_step sums them over micro-batches,
-    before backward (activation checkpointing's recompute calls the experts again), and passes the
-    step's to update_load. And DeepSeek-V3's balancing where the routers carry its routing biases
-    (routing_biases): each moved by `rate` per step (None: BIAS_UPDATE_RATE; 0: frozen)."""
+    """Each experts module's load: a forward pre-hook adds the tokens its router sent to each expert
+    to `module.load`, on this rank, at each training call (not evaluation's), until update_load
+    reads it after the step: every micro-batch's, however a pipeline orders them. Activation
+    checkpointing's recompute calls the experts again and counts them twice, as torchtitan's do:
+    the update reads only signs, the log only ratios, which the double leaves as they are. And
+    DeepSeek-V3's balancing where the routers carry its routing biases (routing_biases): each moved
+    by `rate` per step (None: BIAS_UPDATE_RATE; 0: frozen)."""
 
     def count(module, inputs):
-        top_k_index = inputs[1].flatten()
-        module.load = top_k_index.new_zeros(module.num_experts).scatter_add_(
-            0, top_k_index, torch.ones_like(top_k_index)
-        )
+        if torch.is_grad_enabled():  # training: forward, and recompute in backward
+            top_k_index = inputs[1].flatten()
+            tokens = top_k_index.new_zeros(module.num_experts)
+            module.load = module.load + tokens.scatter_add_(0, top_k_index, torch.ones_like(top_k_index))
 
     rate = BIAS_UPDATE_RATE if rate is None else rate
     for index, (module, bias) in enumerate(zip(layers, routing_biases(model, layers))):
         module.layer_index = index  # among the model's layers of experts (a stage holds some)
         module.register_forward_pre_hook(torch.compiler.disable(count))
-        module.load_since_log = 0
+        module.load, module.load_since_log = 0, 0
         module.routing_bias, module.bias_update_rate = bias if rate else None, rate
     if any(module.routing_bias for module in layers):
         logger.info(f"The routers' routing biases moved toward even loads by {rate} per step")
 
 
-def last_load(layers: list[nn.Module]) -> torch.Tensor | int:
-    """(layers, experts): the tokens each router sent to each expert in its last call, here (0: a
-    pipeline stage with no layer of experts)."""
-    return torch.stack([module.load for module in layers]) if layers else 0
-
-
-def update_load(layers: list[nn.Module], step_load: torch.Tensor, group=None) -> None:
-    """Every rank calls this: after each optimizer step: the step's load summed over all ranks (each
-    counted the tokens it sent; with pipeline stages, over `group`: the ranks that hold the same
-    layers), kept for the log line; and DeepSeek-V3's auxiliary-loss-free balancing: each layer's
-    routing bias moved toward even loads, up by the rate for the experts below the mean load, down
-    for those above (torchtitan's update: the sign of each one's deficit, centred). Every rank
-    moves it the same, from the same counts."""
+def update_load(layers: list[nn.Module], group=None) -> None:
+    """Every rank calls this: after each optimizer step: the step's load (layers, experts) summed
+    over all ranks (each counted the tokens it sent; with pipeline stages, over `group`: the ranks
+    that hold the same layers), kept for the log line; and DeepSeek-V3's auxiliary-loss-free
+    balancing: each layer's routing bias moved toward even loads, up by the rate for the experts
+    below the mean load, down for those above (torchtitan's update: the sign of each one's deficit,
+    centred). Every rank moves it the same, from the same counts."""
     if not layers:  # a stage with none: nor have the others of its group
         return
-    step_load = step_load.float()
+    step_load = torch.stack([module.load for module in layers]).float()
     dist.all_reduce(step_load, group=group)
     for module, load in zip(layers, step_load):
-        module.load_since_log = module.load_since_log + load
+        module.load, module.load_since_log = 0, module.load_since_log + load
         if module.routing_bias:
             owner, name = module.routing_bias
             bias = getattr(owner, name)

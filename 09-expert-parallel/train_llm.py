@@ -276,7 +276,7 @@ def main():
 def train_step(model, moe_layers, batches, optimizer, lr_scheduler, args, timers, autocast, device):
     """Every rank calls this: one optimizer step on --grad-accum-steps micro-batches: loss and
     gradient norm, on device."""
-    step_loss, step_load = 0.0, 0
+    step_loss = 0.0
     for micro_step in range(args.grad_accum_steps):
         # FSDP reduce-scatters micro-step gradients into the sharded sum: DDP's no-sync would keep a
         # full fp32 gradient per rank (30 GiB at 8B). Only HSDP's all-reduce awaits the last one.
@@ -288,8 +288,6 @@ def train_step(model, moe_layers, batches, optimizer, lr_scheduler, args, timers
             # No KV cache: only generation needs it; its per-layer state makes compile recompile.
             # Divided by their count, micro-batch losses sum to gradients of the step's mean loss.
             loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
-        # Each layer's tokens per expert, read before backward (checkpointing recomputes them).
-        step_load += experts.last_load(moe_layers)
 
         with timers("backward"):
             loss.backward()
@@ -306,7 +304,7 @@ def train_step(model, moe_layers, batches, optimizer, lr_scheduler, args, timers
             param.grad.div_(args.ep_size)
         grad_norm = experts.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
-        experts.update_load(moe_layers, step_load)  # over all ranks; routing biases to even loads
+        experts.update_load(moe_layers)  # over all ranks; routing biases to even loads
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm

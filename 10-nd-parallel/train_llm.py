@@ -1,5 +1,5 @@
-"""Chapter 10: every dense parallelism on one device mesh: pipeline stages across nodes (08), FSDP
-or HSDP over the dp ranks (04), context parallel (07) and tensor parallel (05) inside each node.
+"""Chapter 10: every parallelism on one device mesh: pipeline stages across nodes (08), FSDP or HSDP
+over the dp ranks (04), context (07) and tensor (05) parallel, and a mixture's experts over ep (09).
 
     torchrun --standalone --nproc-per-node gpu 10-nd-parallel/train_llm.py --pp-size 2 --tp-size 2
 
@@ -46,11 +46,12 @@ import published  # beside this script (04's, carried by 05-10): published weigh
 import tp  # beside this script: the plan's checks, and other families' norms
 
 # isort: split
-# Beside this script too, carried unchanged from the chapters that teach them: 07's ring (what it
-# can run; the CPU's attention kernel on it) and 08's stages (the cut). And this chapter's own:
-# the composed mesh, its checks, and what crosses a stage's boundary (dims.py).
+# Beside this script too, carried unchanged from the chapters that teach them: 07's ring (and the
+# CPU's attention kernel on it), 08's stages (the cut), 09's experts (the dispatch). And this
+# chapter's own: the composed mesh, its checks, what crosses a stage's boundary (dims.py).
 import cpu_ring_attention
 import dims
+import experts
 import pipeline
 import ring
 
@@ -143,6 +144,9 @@ def main():
     # What the ring and the stages cannot take, refused; the attention the ring runs set (the
     # stages' modules copy the config).
     dims.check_model(model, blocks, args)
+    # A mixture of experts: 09's checks, its load tracked; the experts' mesh over the same ranks.
+    all_experts = dims.check_experts(model, args, dtype)
+    expert_mesh, stage_group = dims.build_expert_meshes(device.type, args, mesh, all_experts)
     flops_per_token = common.flops_per_token(model, config, args.seq_length)  # the whole model's
     # The order that works (torchtitan's): the cut into this rank's stages first, then TP on what
     # the stages hold, compile, FSDP for each stage last. Each stage is its own FSDP root.
@@ -150,7 +154,7 @@ def main():
     stage_modules = [model]  # no pipeline: the model is its one stage
     if args.pp_size > 1:
         stage_modules, blocks = pipeline.split(model, blocks, stage_ids, num_stages)
-    parallelize(model, stage_modules, blocks, mesh, args, dtype, use_compile)
+    moe_layers = parallelize(model, stage_modules, blocks, mesh, expert_mesh, args, dtype, use_compile)
     for stage_module in stage_modules:
         stage_module.to_empty(device="cpu" if args.cpu_offload else device)  # allocated through it
     if weights:
@@ -227,7 +231,7 @@ def main():
             for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
                 loss, grad_norm = train_step(
                     model, schedule, batches, optimizer, lr_scheduler, args, timers, autocast, device,
-                    mesh, cp_mesh,
+                    mesh, cp_mesh, moe_layers, stage_group,
                 )  # fmt: skip
 
                 state["global_step"] += 1
@@ -255,6 +259,8 @@ def main():
                         **common.memory_stats(device),
                         **common.shard_memory(model, optimizer),
                     }
+                    if all_experts:  # every stage's layers (an all-gather over pp)
+                        metrics |= experts.load_metrics(moe_layers, mesh["pp"].get_group())
                     if peak_flops:
                         metrics["mfu"] = steps_since_log * flops_per_step / elapsed / (world_size * peak_flops)
                     common.log_metrics(metrics, metrics_file)
@@ -299,9 +305,8 @@ def main():
     common.destroy_process_group_and_exit()  # gloo's threads would outlive it: see its docstring
 
 
-def train_step(
-    model, schedule, batches, optimizer, lr_scheduler, args, timers, autocast, device, mesh, cp_mesh
-):
+def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, autocast, device, mesh, cp_mesh,
+               moe_layers, stage_group):  # fmt: skip
     """Every rank calls this: one optimizer step on --grad-accum-steps micro-batches: loss and
     gradient norm, on device."""
     step_loss = torch.zeros((), device=device)  # with stages, the last stage's losses; 0 on others
@@ -352,10 +357,12 @@ def train_step(
     step_loss /= dist.get_world_size() // args.pp_size
 
     with timers("optimizer"):
-        # The norm of all stages' gradients, not this stage's: one direction for the whole model.
-        pp_group = mesh["pp"].get_group()
-        grad_norm = pipeline.clip_grad_norm_(model.parameters(), args.max_grad_norm, pp_group)
+        dims.reduce_expert_grads(model, moe_layers, mesh, args)  # the means dense gradients are
+        # The norm of all stages' gradients (with experts, over both meshes: 09's): one direction.
+        clip_grad_norm_ = experts.clip_grad_norm_ if moe_layers else pipeline.clip_grad_norm_
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, mesh["pp"].get_group())
         optimizer.step()
+        experts.update_load(moe_layers, stage_group)  # over each stage's ranks; routing biases
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm
@@ -408,46 +415,47 @@ def send_full_weights(model, full_model, device):
     # Not strict: rank 0's full weights hold every stage's; each rank's model, only its own stages'.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     assert not set_model_state_dict(model, full_state, options=options).missing_keys
-    # Non-state-dict buffers (rotary frequencies) are sent too, to the device (to_empty: maybe CPU).
-    for name, buffer in model.named_buffers():
-        # TP replicated some over tp (Gemma's embedding scale): sent and kept as plain tensors.
-        local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
-        value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty_like(local, device=device)
-        dist.broadcast(value, src=0)
-        if isinstance(buffer, DTensor):
-            value = DTensor.from_local(value, buffer.device_mesh, buffer.placements, run_check=False)
-        module_name, _, buffer_name = name.rpartition(".")
-        setattr(model.get_submodule(module_name), buffer_name, value)
+    pipeline.send_buffers(model, full_model, device)  # non-state-dict ones (rotary): every stage's
 
 
-def parallelize(model, stage_modules, blocks, mesh, args, dtype, use_compile):
+def parallelize(model, stage_modules, blocks, mesh, expert_mesh, args, dtype, use_compile):
     """What the chapter does to the model, in the required order (torchtitan's parallelize_llama
-    is the model; main() enabled activation checkpointing and cut the stages): tensor parallel on
-    the modules of this rank's stages, compile, then FSDP, each stage its own root."""
+    is the model; main() enabled activation checkpointing and cut the stages): experts on their
+    ranks, TP on the modules of this rank's stages, compile, FSDP, each stage its own root."""
+    if moe_layers := common.experts_modules(model):  # this rank's stages' (none: a dense model)
+        experts.apply_expert_parallel(moe_layers, expert_mesh["ep"])  # E / ep on each rank (09)
     # TP first, then FSDP shards the TP shards over dp: each weight is split in two dimensions.
     if args.tp_size > 1:
         apply_tp(model, blocks, mesh["tp"])
     if use_compile:
         # Each block alone (FSDP's hooks between blocks stay uncompiled), and whole (fullgraph): a
         # graph break would silently split it: collectives and casts between the pieces uncompiled.
-        for block in blocks:
-            block.compile(fullgraph=True)
+        # A MoE block's graphs stop at the dispatch, which runs eager (09); under TP: dims.py.
+        for block in (block for block in blocks if dims.compilable(block, args)):
+            block.compile(fullgraph=not common.experts_modules(block))
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
     # A 2-D mesh is HSDP to fully_shard; with one group, its 1-D shard dimension is plain FSDP.
     fsdp_mesh = mesh["replicate", "shard"] if mesh["replicate"].size() > 1 else mesh["shard"]
+    expert_dims = ("replicate", "efsdp") if mesh["replicate"].size() > 1 else ("efsdp",)
+    expert_fsdp_mesh = expert_mesh and expert_mesh[expert_dims]
     for stage_module in stage_modules:
         stage_blocks = [block for block in blocks if block in set(stage_module.modules())]
-        apply_fsdp(stage_module, stage_blocks, fsdp_mesh, mp_policy, offload_policy, args)
+        apply_fsdp(
+            stage_module, stage_blocks, fsdp_mesh, expert_fsdp_mesh, mp_policy, offload_policy, args
+        )
+    return moe_layers
 
 
-def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy, args):
+def apply_fsdp(model, blocks, mesh, expert_mesh, mp_policy, offload_policy, args):
     """Shards units: input embeddings, each block, output head; then the root (the rest). A unit's
     weights all-gathered only for forward and backward, gradients reduce-scattered when ready, while
     the next unit computes. The root's stay gathered all step: the largest, embeddings and head, are units (untied).
     In a pipeline, units stay gathered across all micro-batches' forwards and backwards (torchtitan
     does so): gathered for each, they would cost --pp-microbatches times the bytes."""
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for experts_module in common.experts_modules(model):  # 09's: over efsdp, before their blocks
+        shard(experts_module, mesh=expert_mesh, reshard_after_forward=args.pp_size == 1)
     tied = model.config.tie_word_embeddings
     if not tied and model.get_input_embeddings() is not None:  # the first stage's
         shard(model.get_input_embeddings(), reshard_after_forward=args.pp_size == 1)
@@ -491,10 +499,11 @@ def apply_tp(model, blocks, tp_mesh):
     root_plan = {name: style for name, style in root_plan.items() if tp.has_module(model, name)}
     # The norms other families add; and any module the plan does not name, refused (tp.py).
     block_plan |= tp.norm_plan(blocks[0], model.config)
-    tp.check_plan(model, blocks, root_plan, block_plan)
     parallelize_module(model, tp_mesh, root_plan)
     for block in blocks:
-        parallelize_module(block, tp_mesh, block_plan)
+        # A MoE block's router and experts are not split over tp: each rank routes its own tokens.
+        plan = dims.experts_tp_plan(model, block, blocks, root_plan, block_plan)
+        parallelize_module(block, tp_mesh, plan)
     if model.config.tie_word_embeddings:
         # Both split alike over the vocabulary (dim 0), but into two new parameters: tie them again.
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -680,6 +689,10 @@ def get_parser():
     add("--pp-size", type=common.positive_int, default=1, help="ranks the model's blocks are cut over")
     add("--pp-schedule", choices=pipeline.SCHEDULES, default="1F1B", help="the order of the micro-batches' passes")
     add("--pp-microbatches", type=common.positive_int, help="micro-batches per pipeline step (default: one per row)")
+    add("--ep-size", type=common.positive_int, default=1, help="ranks that split each layer's experts (09)")
+    add("--bias-update-rate", type=common.non_negative_float,
+        help="step of the routing biases toward even loads (default: DeepSeek-V3's 0.001; 0: none)")
+    parser.set_defaults(aux_loss_coef=0.0)  # no balancing loss: a row's router logits are cut (dims.py)
     return parser
 
 

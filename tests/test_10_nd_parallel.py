@@ -23,7 +23,8 @@ CHAPTER = "10-nd-parallel"
 STEPS = 12
 ARGS = [*FAST_ARGS, "--max-steps", str(STEPS)]
 MODULES = {"tp.py": "05-tensor-parallel", "published.py": "04-fsdp", "ring.py": "07-context-parallel",
-           "cpu_ring_attention.py": "07-context-parallel", "pipeline.py": "08-pipeline-parallel"}  # fmt: skip
+           "cpu_ring_attention.py": "07-context-parallel", "pipeline.py": "08-pipeline-parallel",
+           "experts.py": "09-expert-parallel"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +164,7 @@ def test_a_bad_size_is_refused_in_one_line_under_torchrun(tmp_path, hf_home):
     assert "error: --pp-size 2 x --cp-size 2 = 4 must divide the number of ranks (2)" in last_lines(proc.stderr)
 
 
-def test_the_chapter_carries_the_modules_of_05_07_and_08_unchanged():
+def test_the_chapter_carries_the_modules_of_05_07_08_and_09_unchanged():
     """The lessons enter in their chapters and are carried: a forked chapter 10 holds its copies."""
     for module, chapter in MODULES.items():
         assert (REPO / CHAPTER / module).read_bytes() == (REPO / chapter / module).read_bytes(), module

@@ -13,7 +13,7 @@ written tomorrow is taken tomorrow. What the CPU cannot have is mapped, here and
 - a Hub dataset (or a corpus the docs made elsewhere) to the embedded one, its rows repeated 16 times:
   20M tokens, about alpaca's, so that a cluster's global batch (70B: 512 rows of 4,096) has its steps;
 - the GPU to the CPU: `--device cuda` (which 03's launchers add) is dropped, chapter 06 emulates FP8
-  (--fp8-emulate), Transformer Engine is tests/fake_te, and chapter 09 computes in bf16 (grouped_mm's
+  (--fp8-emulate), Transformer Engine is tests/fake_te, and experts (09, 10) compute in bf16 (grouped_mm's
   fake kernel, as the GPU's, takes nothing else; its all-to-all's split sizes, which fake tensors do not
   have, are even: tools.memory.even_splits).
 
@@ -34,6 +34,7 @@ SHAPES = {
     "meta-llama/Llama-3.1-70B": "tools/model_shapes/llama-3.1-70b",
     "meta-llama/Llama-3.1-405B": "tools/model_shapes/llama-3.1-405b",
     "Qwen/Qwen3-30B-A3B": "tools/model_shapes/qwen3-30b-a3b",
+    "deepseek-ai/DeepSeek-V3": "tools/model_shapes/deepseek-v3",
     "/tmp/llama_1b_2_layers": "tools/llama_1b_shape",  # BENCHMARKS.md makes it from that shape (2 blocks)
 }
 DATASETS = {"tatsu-lab/alpaca": DEFAULT_DATASET, "/tmp/corpus/train.jsonl": DEFAULT_DATASET}
@@ -72,7 +73,8 @@ def mapped(run: ChapterRun) -> list[str]:
             out.append(arg)
     if run.chapter.startswith("06") and run.flag("--fp8-backend") != "te" and "--fp8-emulate" not in out:
         out.append("--fp8-emulate")
-    if run.chapter.startswith("09") and "--dtype" not in out:  # grouped_mm's fake kernel takes bf16 alone,
+    experts = run.chapter.startswith("09") or int(run.flag("--ep-size", 1)) > 1  # chapter 10's too
+    if experts and "--dtype" not in out:  # grouped_mm's fake kernel takes bf16 alone,
         out += ["--dtype", "bfloat16"]  # as the GPU's does: the command computes in bf16 there by default
     return out
 

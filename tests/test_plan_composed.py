@@ -294,3 +294,104 @@ def test_the_planner_puts_no_chapter_folder_on_sys_path():
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
                           check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_deepseek_v3_671b_on_torchtitans_layout_by_hand(capsys, tmp_path):
+    """DeepSeek-V3 (61 blocks, the first 3 dense; 58 layers of 256 experts of width 2,048, 8 per
+    token, hidden 7,168) on 64 nodes of 8: pp 8 (stages of 8 blocks, the last three of 7), FSDP
+    over each stage's 64 ranks, its experts over ep 32 x efsdp 2 (torchtitan's layout), full
+    checkpointing, --batch-size 1: 8 rows of 4,096 tokens per dp rank, a micro-batch each. The
+    second stage (8 blocks of experts, B parameters each, X of them experts', W the router's and
+    shared expert's) is worked by hand: its GPU holds its 1/64 of the stage (16 bytes a parameter),
+    gathers its 8 experts of each layer (8 / 256 of X) and the rest of each block, in bf16, all
+    step, with their fp32 gradients whole (and a layer's experts' new gradient beside them, 4
+    bytes each, at the peak); each micro-batch's 4,096 tokens go to their experts by all-to-all, 8
+    copies of 7,168 bf16 values each, 31/32 to other ranks, dispatched and combined, in forward,
+    backward and the recompute: per layer 2.54 GiB, 24 / 31 of it through the NIC (ep spans 4
+    nodes of 8). Its experts' FSDP over efsdp 2: each layer's 8 experts gathered once and their
+    gradients reduce-scattered. A block-FP8 release (the published config's quantization_config,
+    left out of the shape) reads half the bf16 bytes."""
+    import json
+    import shutil
+
+    from tools.plan import GIB, Layout, count, main, plan, published_io
+
+    m = count(str(SHAPES / "deepseek-v3"))
+    assert (m["params"], m["layers"], m["moe_layers"], m["experts"], m["top_k"]) == (671_026_404_352, 61, 58, 256, 8)
+    b, x, w = m["block_sizes"][8], m["block_experts"][8], m["block_whole"][8]
+    assert (b, x, w) == (11_507_286_016, 256 * 3 * 7168 * 2048, 256 * 7168 + 3 * 7168 * 2048)
+    assert m["block_experts"][:4] == [0, 0, 0, x] and m["block_params"] == b > m["block_sizes"][0]
+    layout = Layout("10", 512, checkpointing=True, pp=8, ep=32)
+    planned = plan(m, layout, 1, 4096, 2, False)
+    stage = planned["stages"][1]
+    assert (stage["blocks"], stage["moe_layers"], stage["in_flight"]) == (8, 8, 7)
+    assert stage["weights"] == 4 * 8 * b / 64 and stage["optimizer"] == 8 * 8 * b / 64
+    gathered = 8 * (b - x + x / 32)
+    assert stage["gathered"] == 2 * gathered
+    assert stage["gradients"] == 4 * gathered + 4 * 8 * (b - x) / 64 + 4 * x / 32
+    layer = 4096 * 8 * 7168 * 2 * 31 / 32 * 2 * 3
+    assert stage["sent_ep"] == 8 * 8 * layer and stage["network_ep"] == stage["sent_ep"] * 24 / 31
+    assert stage["sent_experts_fsdp"] == 1 / 2 * (2 + 4) * 8 * x / 32
+    assert stage["sent_shard"] == 63 / 64 * (2 + 4) * 8 * (b - x)
+    # The first stage holds 5 layers of experts, the last 7 and the head (and the loss).
+    assert [s["moe_layers"] for s in planned["stages"]] == [5, 8, 8, 8, 8, 7, 7, 7]
+    assert planned["total"] == max(s["total"] for s in planned["stages"])
+
+    main([str(SHAPES / "deepseek-v3"), "--nodes", "64", "--pp-size", "8", "--ep-size", "32", "--batch-size", "1",
+          "--seq-length", "4096", "--activation-checkpointing"])  # fmt: skip
+    out = capsys.readouterr().out
+    print(out)
+    assert "chapter 10's mesh pp 8 x dp_replicate 1 x dp_shard 64 x cp 1 x tp 1" in out
+    assert "Experts (10), mesh pp 8 x replicate 1 x efsdp 2 x ep 32 (ep innermost" in out
+    assert f"x 3 (forward, backward, recompute): {layer / GIB:.3f} GiB" in out
+    ep_row = f"ep (all-to-all)           32     1    4 nodes {5 * 8 * layer / GIB:12.2f}"
+    assert ep_row in out and "efsdp (experts' FSDP)      2    32    2 nodes" in out
+    assert f"their state (16 B)  {16 * 5 * x / 64 / GIB:18.2f}" in out
+
+    # The release as published: block-FP8 (1 byte a weight of the blocks, a scale per 128 x 128).
+    release = shutil.copytree(SHAPES / "deepseek-v3", tmp_path / "deepseek-v3")
+    config = json.loads((release / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (release / "config.json").write_text(json.dumps(config))
+    fp8 = count(str(release))
+    bf16 = published_io(m, layout, planned)
+    read = published_io(fp8, layout, plan(fp8, layout, 1, 4096, 2, False))
+    assert 0.5 < read["read"] / bf16["read"] < 0.51 and read["written"] == bf16["written"]
+    assert fp8["read_bytes"] == pytest.approx(673.15e9, rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--pp-size", "2", "--ep-size", "3"], "--ep-size 3 must divide the 4 ranks that shard or split a stage's"),
+        (["--nodes", "2", "--pp-size", "2", "--tp-size", "2", "--ep-size", "16"],
+         "--ep-size 16 must divide the 8 ranks that shard or split a stage's weights"),
+        (["--nodes", "4", "--pp-size", "2", "--ep-size", "16"], "--ep-size 16 must divide the model's 8 experts"),
+        (["--nodes", "2", "--pp-size", "2", "--cp-size", "2", "--shard-size", "1", "--ep-size", "4"],
+         "--ep-size 4 must divide the 2 ranks that shard or split"),
+        (["--tp-size", "2", "--ep-size", "2"], "(chapter 10's, with --pp-size: a pipeline of FSDP x EP"),
+    ],
+    ids=["ep-3", "ep-past-the-stage", "ep-past-the-experts", "ep-past-hsdp", "tp-without-pp"],
+)  # fmt: skip
+def test_the_planner_refuses_the_experts_chapter_10_refuses(argv, words):
+    """ep must divide the ranks of a stage that shard or split its weights, dp_shard x cp x tp
+    (dims.check_layout), and the experts of a layer (experts.check_model): tiny_moe's 8."""
+    from tools.plan import main
+
+    with pytest.raises(SystemExit) as exit:
+        main([str(REPO / "common" / "tiny_moe"), "--batch-size", "2", *argv])
+    assert str(exit.value.code).startswith("error: ") and words in str(exit.value.code)
+
+
+def test_the_planner_refuses_tp_on_deepseek_v3_and_experts_on_a_dense_model():
+    from tools.plan import main
+
+    for model, argv, words in [
+        (SHAPES / "deepseek-v3", ["--nodes", "8", "--pp-size", "2", "--tp-size", "8", "--ep-size", "4"],
+         "--tp-size 8: chapter 05's plan is for Llama-style attention"),
+        (REPO / "common" / "tiny_llama", ["--pp-size", "2", "--ep-size", "2", "--batch-size", "2"],
+         "--ep-size 2: a dense model"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as exit:
+            main([str(model), *argv])
+        assert words in str(exit.value.code)

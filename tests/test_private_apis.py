@@ -141,7 +141,10 @@ def sdpa_kernels():
     forward = aten._scaled_dot_product_flash_attention_for_cpu.default._schema.arguments
     backward = aten._scaled_dot_product_flash_attention_for_cpu_backward.default._schema.arguments
     names = [a.name for a in forward[:3]] + [backward[0].name]
-    return names == ["query", "key", "value", "grad_out"]
+    # tools.memory.gpu_attention passes the memory-efficient kernel's arguments by position, scale by name.
+    efficient = [a.name for a in aten._scaled_dot_product_efficient_attention.default._schema.arguments]
+    by_position = ["query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal", "scale"]
+    return names == ["query", "key", "value", "grad_out"] and efficient == by_position
 
 
 def reduce_scatter():

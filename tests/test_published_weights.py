@@ -59,6 +59,14 @@ def save_gemma3_source(folder):
     return save_seeded(config("gemma3_text"), folder, max_shard_size="200KB")
 
 
+def save_deepseek_source(folder):
+    """A tiny DeepSeek-V3 (tests/moe_families.py's) of 4 blocks, the first dense, as save_pretrained
+    publishes it: each expert's own tensors (`mlp.experts.3.up_proj.weight`)."""
+    from moe_families import tiny_config
+
+    return save_seeded(tiny_config("deepseek_v3", num_hidden_layers=4, first_k_dense_replace=1), folder)
+
+
 def quantize_blocks(weight, block=128):
     """DeepSeek-V3's FP8: e4m3 values, one fp32 scale per 128 x 128 block (`weight_scale_inv`)."""
     rows, cols = weight.shape
@@ -103,7 +111,8 @@ def sources(tmp_path_factory):
     untied = save_source(folder / "untied")
     return {"untied": untied, "tied": save_source(folder / "tied", tied=True, vocab=512),
             "fp8": save_fp8_source(folder / "fp8", untied), "moe": save_moe_source(folder / "moe"),
-            "gemma3": save_gemma3_source(folder / "gemma3")}  # fmt: skip
+            "gemma3": save_gemma3_source(folder / "gemma3"),
+            "deepseek_fp8": save_fp8_source(folder / "deepseek_fp8", save_deepseek_source(folder / "deepseek"))}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +142,8 @@ LAYOUTS = {  # chapter, ranks, source, flags: 8 rows in each step
     "09-ep-x-efsdp": ("09-expert-parallel", 4, "moe", ["--ep-size", "2", "--aux-loss-coef", "0", "--batch-size", "2"]),
     # Each rank its stage's slices of its tp half: a pipeline of 2 x 4 rows.
     "10-pp-x-tp": ("10-nd-parallel", 4, "untied", ["--pp-size", "2", "--tp-size", "2", "--batch-size", "4"]),
+    # Each rank its stage's experts, half of them: a pipeline of 2 x 2 rows.
+    "10-pp-x-ep": ("10-nd-parallel", 4, "moe", ["--pp-size", "2", "--ep-size", "2", "--batch-size", "2"]),
 }
 
 
@@ -144,7 +155,7 @@ def test_each_layout_starts_as_from_pretrained_and_exports_the_source(layout, so
     FP8 matmuls round: its loss and norm are chapter 01's within 2%, and its export is the source."""
     chapter, ranks, source, flags = LAYOUTS[layout]
     args = [*ARGS, *flags, "--model-name", str(sources[source]), "--from-pretrained"]
-    several = layout in ("04-hsdp-tied", "07-cp", "08-pp-x-fsdp", "09-ep-x-efsdp", "10-pp-x-tp")  # 2, 4 ranks
+    several = layout in ("04-hsdp-tied", "07-cp", "08-pp-x-fsdp", "09-ep-x-efsdp", "10-pp-x-tp", "10-pp-x-ep")
     run_chapter(chapter, *args, "--save-dir", str(tmp_path), "--export-hf", str(tmp_path / "hf"), nproc=ranks,
                 hf_home=hf_home, env=SEVERAL_FILES if several else None)  # fmt: skip
     step, reference = read_metrics(tmp_path / chapter)[1], references[source]
@@ -205,6 +216,30 @@ def test_block_fp8_weights_are_dequantized_as_each_rank_reads_them(sources, tmp_
         expected = published[name].float() if scale is None else dequantize_blocks(published[name], scale)
         assert torch.equal(value, expected), name
     assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+
+
+def test_deepseek_v3_starts_from_its_block_fp8_release_at_pp_2_x_ep_2_and_exports_it(sources, tmp_path, hf_home):
+    """DeepSeek-V3's release as it is published (per-expert tensors in block FP8, their scales beside
+    them), started at pp 2 x ep 2 (chapter 10): each rank dequantizes only its stage's slices, of its
+    experts; the export (bf16, the config's) holds the release's names without the scales, each tensor
+    the dequantized one in bf16, and loads with from_pretrained. Routing biases held still (rate 0)."""
+    flags = ["--pp-size", "2", "--ep-size", "2", "--batch-size", "2", "--bias-update-rate", "0"]
+    args = [*ARGS, *flags, "--model-name", str(sources["deepseek_fp8"]), "--from-pretrained"]
+    run_chapter("10-nd-parallel", *args, "--save-dir", str(tmp_path), "--export-hf", str(tmp_path / "hf"), nproc=4,
+                hf_home=hf_home, env=SEVERAL_FILES)  # fmt: skip
+    published, exported = safetensors_in(sources["deepseek_fp8"]), safetensors_in(tmp_path / "hf")
+    assert exported.keys() == {name for name in published if not name.endswith("_scale_inv")}
+    assert "model.layers.3.mlp.experts.7.down_proj.weight" in exported
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == "DeepseekV3ForCausalLM" and model.dtype == torch.bfloat16
+    # bf16, but for the routers' weights and biases, which HF keeps in fp32 (the experts: stacked there)
+    dtypes = {name: value.dtype for name, value in model.state_dict().items()}
+    assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == torch.float32
+    for name, value in exported.items():
+        scale = published.get(name + "_scale_inv")
+        expected = published[name].float() if scale is None else dequantize_blocks(published[name], scale)
+        assert value.dtype == dtypes.get(name, torch.bfloat16), name
+        assert torch.equal(value, expected.to(value.dtype)), name
 
 
 @pytest.mark.parametrize("ranks, family", [(2, "llama"), (4, "llama-tied")])

@@ -566,26 +566,33 @@ def test_planner_counts_a_start_from_published_weights_and_an_export_by_hand(cap
 
 def test_planner_counts_published_experts_by_hand(capsys):
     """Qwen3-30B-A3B over 2 nodes of 8 at --ep-size 8: every tensor split over the 16 GPUs (the
-    experts over ep 8 x efsdp 2), so each reads and writes 1/16 of the model; its largest tensor
-    is a layer's stacked gate_up_proj, 128 experts x 2 x 768 x 2048. 13 files: ranks 1-7 on node 0
-    merge 7 of them, ranks 8-13 on node 1 the other 6."""
-    from tools.plan import GIB, Layout, count, main, plan, published_io
+    experts over ep 8 x efsdp 2), so each reads and writes 1/16 of the model. Published, its experts
+    are one tensor each (768 x 2048: gate, up, down), each read whole by the rank that holds it,
+    and its largest tensors the embeddings and the head, 151,936 x 2,048, split over the 16. In
+    tensors of at most 151,936 x 2,048, 12 files: ranks 1-7 on node 0 merge 7 of them, ranks 8-12
+    on node 1 the other 5. DeepSeek-V3's stacked gate_up_proj (15 GiB a layer) is 512 tensors."""
+    from tools.plan import GIB, Layout, count, export_files, main, plan, published_io
 
     m = count(str(REPO / "tools" / "model_shapes" / "qwen3-30b-a3b"))
-    model, gate_up = 2 * m["params"], 128 * 2 * 768 * 2048
+    model, embeddings = 2 * m["params"], 151_936 * 2048
+    assert (m["largest_tensor"], m["expert_tensor"]) == (embeddings, 768 * 2048)
+    assert len(m["published"]) == len(m["tensors"]) + 48 * (3 * 128 - 2)  # two stacked per layer
     ep = Layout("EP", 16, checkpointing=True, ep=8)
     io = published_io(m, ep, plan(m, ep, 2, 4096, 2, False))
     assert io["read"] == io["cast"] == io["written"] == model / 16 and io["read_node"] == model / 2
-    assert io["read_host"] == gate_up / 16 * 6 and io["merge_host"] == gate_up * 2 * (1 + 1 / 16)
+    assert io["read_host"] == embeddings / 16 * 6 and io["merge_host"] == embeddings * 2 * (1 + 1 / 16)
     files = io["files"]
-    assert len(files) == 13 and sum(files) == model and io["merging"] == (13, 2)
-    assert io["merged_node"] == sum(files[:7])
+    assert len(files) == 12 and sum(files) == model and io["merging"] == (12, 2)
+    assert io["merged_node"] == sum(files[:7]) and max(files) <= 5 * GIB
 
     main([str(REPO / "tools" / "model_shapes" / "qwen3-30b-a3b"), "--nodes", "2",
           "--ep-size", "8"])  # fmt: skip
     out = capsys.readouterr().out
     assert f"each GPU reads its own slices: {model / 16 / GIB:.2f} GiB, a node " in out
-    assert f"host {gate_up / 16 * 6 / GIB:.2f} GiB per GPU (its largest slice" in out
+    assert f"host {embeddings / 16 * 6 / GIB:.2f} GiB per GPU (its largest slice" in out
+    deepseek = count(str(REPO / "tools" / "model_shapes" / "deepseek-v3"))
+    assert len(deepseek["published"]) == len(deepseek["tensors"]) + 58 * (3 * 256 - 2)
+    assert max(export_files(deepseek)) <= 5 * GIB
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,9 @@ rank 0 of the whole job: every tensor FSDP2, DTensor and AdamW allocate is count
 step's peak. Any size runs in minutes on a laptop. Not compiled (fake tensors cannot be), so the
 planner is asked for the eager step too. Chapter 04's step (FSDP, HSDP), chapter 05's with --tp-size
 (FSDP x TP), chapter 07's with --cp-size (FSDP x CP, its ring attention on the fake process group), or
-chapter 09's with --ep-size (FSDP x EP: its all-to-alls, their split sizes even, as the planner assumes).
+chapter 09's with --ep-size (FSDP x EP: its all-to-alls, their split sizes even, as the planner assumes);
+chapter 10's with --pp-size (or --tp-size with --cp-size), and --ep-size for its experts, on the first rank
+of the first stage, of the last (--last-stage) or of any (--pp-rank).
 
     python -m tools.memory tools/model_shapes/llama-3.1-8b --batch-size 2 --seq-length 4096 --grad-accum-steps 2
     python -m tools.memory tools/model_shapes/llama-3.1-70b --nodes 4 --tp-size 8 --batch-size 8 \\
@@ -15,6 +17,8 @@ chapter 09's with --ep-size (FSDP x EP: its all-to-alls, their split sizes even,
         --activation-checkpointing
     python -m tools.memory tools/model_shapes/qwen3-30b-a3b --nodes 2 --ep-size 8 --batch-size 2 \\
         --seq-length 4096 --activation-checkpointing
+    python -m tools.memory tools/model_shapes/deepseek-v3 --nodes 64 --pp-size 8 --ep-size 32 --pp-rank 1 \\
+        --batch-size 1 --seq-length 4096 --activation-checkpointing
 """
 
 import argparse
@@ -23,6 +27,7 @@ import functools
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -97,7 +102,7 @@ def tracked_peak(chapter, config, mesh, argv, cp_mesh=None, expert_mesh=None) ->
     splits = contextlib.ExitStack()
     if expert_mesh is not None:
         splits.callback(even_splits())
-    with FakeTensorMode(allow_non_fake_inputs=True), not_tracing, not_packed, own_mode, splits:
+    with FakeTensorMode(allow_non_fake_inputs=True), not_tracing, not_packed, own_mode, splits, gpu_attention():
         model.to_empty(device=device)
         # One tensor at a time, as GPUs' fused AdamW updates them: foreach's temporaries are each the size of
         # all moments, and the fused kernel's fake version returns new tensors of that size.
@@ -147,13 +152,19 @@ def composed_rank(chapter, config, argv, world_size: int, before_micro_batch=lam
         checkpoint_blocks(transformer_blocks(model), args.activation_checkpointing)
     blocks = transformer_blocks(model)
     chapter.dims.check_model(model, blocks, args)
+    all_experts = chapter.dims.check_experts(model, args, torch.bfloat16)
+    expert_mesh, stage_group = chapter.dims.build_expert_meshes("cpu", args, mesh, all_experts)
     chapter.cpu_ring_attention.register(device)
     num_stages, stage_ids = chapter.pipeline.rank_stages(args, mesh["pp"].get_local_rank())
     stage_modules = [model]
     if args.pp_size > 1:
         stage_modules, blocks = chapter.pipeline.split(model, blocks, stage_ids, num_stages)
-    chapter.parallelize(model, stage_modules, blocks, mesh, args, torch.bfloat16, use_compile=False)
+    moe_layers = chapter.parallelize(model, stage_modules, blocks, mesh, expert_mesh, args, torch.bfloat16,
+                                     use_compile=False)  # fmt: skip
     own_mode = mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *args: None)
+    splits = contextlib.ExitStack()
+    if expert_mesh is not None:  # 09's dispatch, its split sizes even (the planner's uniform routing)
+        splits.callback(even_splits())
     # A pipeline's ranks first vote, by sends and receives, on whether every stage knows its
     # neighbours' shapes: the fake group's receives hold no votes. The chapter gives its shapes.
     # Private, checked on torch 2.13. If it moves: chapter 10's figures fail here (AttributeError)
@@ -166,7 +177,8 @@ def composed_rank(chapter, config, argv, world_size: int, before_micro_batch=lam
         return run_micro_batch(stage, *inputs, **kwargs)
 
     each = mock.patch.object(PipelineStage, "forward_maybe_with_nosync", announced)
-    with FakeTensorMode(allow_non_fake_inputs=True), not_tracing, not_packed, own_mode, given, each:
+    with FakeTensorMode(allow_non_fake_inputs=True), not_tracing, not_packed, own_mode, given, each, splits, \
+            gpu_attention():
         for stage_module in stage_modules:
             stage_module.to_empty(device=device)
         schedule = chapter.pipeline_schedule(stage_modules, stage_ids, num_stages, mesh, args, config,
@@ -182,7 +194,9 @@ def composed_rank(chapter, config, argv, world_size: int, before_micro_batch=lam
 
         autocast = functools.partial(torch.autocast, device.type, enabled=False)
         step = functools.partial(chapter.train_step, model, schedule, batches(), optimizer, lr_scheduler, args)
-        yield model, stage_modules, optimizer, lambda: step(PhaseTimers(device), autocast, device, mesh, cp_mesh)
+        yield model, stage_modules, optimizer, lambda: step(
+            PhaseTimers(device), autocast, device, mesh, cp_mesh, moe_layers, stage_group
+        )
 
 
 def composed_peak(chapter, config, argv, world_size: int) -> dict:
@@ -211,6 +225,28 @@ def shapes_given(schedule, stages, has_backward, p2p_done):
 
     for stage in stages:
         stage._inference_mode = InferenceMode.STATIC
+
+
+def gpu_attention():
+    """SDPA as a GPU runs it where the CPU cannot: attention whose values are narrower than its
+    queries and keys (DeepSeek-V3's multi-head latent attention: 192 and 128 per head) has no CPU
+    flash kernel, and falls back to the math one, which keeps each head's seq x seq scores (in fp32,
+    8 GiB a block at 4,096 tokens and 128 heads); an H100's SDPA runs it in the memory-efficient
+    kernel, which keeps the output and one fp32 log-sum-exp per query and head. Here that kernel's
+    own op, in fake tensors (its meta functions, its backward). The other calls are SDPA's."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                     scale=None, **kwargs):  # fmt: skip
+        if value.shape[-1] == query.shape[-1] or kwargs or dropout_p:
+            return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+        # aten's private kernel op, checked on torch 2.13 (also listed for common's selective
+        # checkpointing). If it moves: tools.memory fails here (AttributeError): call the kernel
+        # SDPA then names for the memory-efficient attention.
+        efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+        return efficient(query, key, value, attn_mask, True, 0.0, is_causal, scale=scale)[0]
+
+    return mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", scaled_dot_product_attention)
 
 
 def even_splits():
@@ -259,9 +295,10 @@ def main(argv=None) -> None:
     parser.add_argument("--pp-size", type=int, default=1, help="pipeline stages (chapter 10, with tp and cp)")
     parser.add_argument("--pp-schedule", default="1F1B")
     parser.add_argument("--last-stage", action="store_true", help="play the last stage's rank, not rank 0")
+    parser.add_argument("--pp-rank", type=int, help="play this pp rank's first rank (default: 0, or the last)")
     args = parser.parse_args(argv)
-    if args.ep_size > 1 and max(args.tp_size, args.cp_size, args.pp_size) > 1:
-        parser.error("--ep-size is chapter 09's, on FSDP alone: without --tp-size, --cp-size, --pp-size")
+    if args.ep_size > 1 and max(args.tp_size, args.cp_size) > 1 and args.pp_size == 1:
+        parser.error("--ep-size with --tp-size or --cp-size: chapter 10's, measured here with --pp-size")
     if args.pp_size > 1 or args.tp_size > 1 and args.cp_size > 1:  # chapter 10's mesh
         return main_composed(args)
 
@@ -320,36 +357,50 @@ def main(argv=None) -> None:
 
 
 def main_composed(args) -> None:
-    """Chapter 10 (--pp-size, or --tp-size with --cp-size): its step on rank 0 (the first stage's)
-    or the last stage's first rank, beside the planner's figures for that stage."""
+    """Chapter 10 (--pp-size, or --tp-size with --cp-size; --ep-size for a mixture of experts): its
+    step on rank 0 (the first stage's), the last stage's first rank or --pp-rank's, beside the
+    planner's figures for that stage."""
     from transformers import AutoConfig
 
     gpus = args.nodes * args.gpus_per_node
     argv = ["--batch-size", str(args.batch_size), "--seq-length", str(args.seq_length)]
     argv += ["--grad-accum-steps", str(args.grad_accum_steps), "--pp-size", str(args.pp_size)]
     argv += ["--tp-size", str(args.tp_size), "--cp-size", str(args.cp_size), "--pp-schedule", args.pp_schedule]
+    argv += ["--ep-size", str(args.ep_size)] if args.ep_size > 1 else []
     argv += ["--shard-size", str(args.shard_size)] if args.shard_size else []
     argv += ["--activation-checkpointing", args.activation_checkpointing] if args.activation_checkpointing else []
-    rank = (args.pp_size - 1) * gpus // args.pp_size if args.last_stage else 0
+    pp_rank = args.pp_rank if args.pp_rank is not None else args.pp_size - 1 if args.last_stage else 0
+    rank = pp_rank * gpus // args.pp_size
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(args.gpus_per_node))  # torchrun's, which 05's check reads
     dist.init_process_group("fake", rank=rank, world_size=gpus)  # given no store, it makes its own
+    started = time.perf_counter()
     peak = composed_peak(load("10-nd-parallel"), AutoConfig.from_pretrained(args.model), argv, gpus)
+    seconds = time.perf_counter() - started
     dist.destroy_process_group()
     layout = Layout("asked", gpus, args.tp_size, True, args.activation_checkpointing, args.shard_size,
-                    args.gpus_per_node, cp=args.cp_size, pp=args.pp_size, schedule=args.pp_schedule)  # fmt: skip
+                    args.gpus_per_node, cp=args.cp_size, pp=args.pp_size, schedule=args.pp_schedule,
+                    ep=args.ep_size)  # fmt: skip
     planned = plan(count(args.model), layout, args.batch_size, args.seq_length, 2, False, compiled=False)
-    planned = planned.get("last stage", planned) if args.last_stage else planned
-    stage = "last stage" if args.last_stage else "first stage"
-    print(f"{args.model}, chapter 10 on {args.nodes} x {args.gpus_per_node} GPUs, rank {rank} ({stage}), {' '.join(argv)}")
+    planned = planned["stages"][pp_rank] if args.pp_size > 1 else planned
+    stage = "first stage" if pp_rank == 0 else "last stage" if pp_rank == args.pp_size - 1 else f"stage {pp_rank}"
+    print(f"{args.model}, chapter 10 on {args.nodes} x {args.gpus_per_node} GPUs, rank {rank} ({stage}), "
+          f"{' '.join(argv)}: {seconds:.0f} s")  # fmt: skip
     print("GiB per GPU at the step's peak   measured (FSDPMemTracker)   planned (tools.plan, not compiled)")
     rows = [
         ("weights and optimizer", peak["Sharded Param"] + peak["OptState"],
          (planned["weights"] + planned["optimizer"]) / GIB),
-        ("total", peak["Total"], (planned.get("first stage total") or planned["total"]) / GIB),
+        ("gradients", peak["Sharded Grad"] + peak["Unsharded Grad"], planned["gradients"] / GIB),
+        ("gathered", peak["Unsharded Param"], planned["gathered"] / GIB),
+        ("activations", peak["Activation"] + peak["Temp"] + peak["Inputs"] + peak["Buffer"],
+         (planned["activations"] + planned["loss backward"]) / GIB),
+        ("total", peak["Total"], planned["total"] / GIB),
     ]  # fmt: skip
     for name, measured, predicted in rows:
         print(f"  {name:<30} {measured:10.2f} {predicted:27.2f}")
     print("measured, by FSDPMemTracker's kinds: " + ", ".join(f"{kind} {gib:.2f}" for kind, gib in peak.items()))
+    if args.pp_size > 1:  # PipelineStage holds FSDP's reduce back to the last micro-batch
+        print("(FSDPMemTracker counts a pipeline's gradients, accumulated whole over the micro-batches, as Temp: "
+              "above, in activations)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
     python -m tools.plan meta-llama/Llama-3.1-70B --nodes 4 --tp-size 8 --activation-checkpointing
     python -m tools.plan tools/model_shapes/llama-3.1-405b --nodes 64 --pp-size 8 --tp-size 8 \\
         --batch-size 16 --seq-length 8192 --activation-checkpointing
+    python -m tools.plan tools/model_shapes/deepseek-v3 --nodes 64 --pp-size 8 --ep-size 32 \\
+        --batch-size 1 --seq-length 4096 --activation-checkpointing
 
 It reads only the model's config (a Hub name or a local folder), builds the model on the meta device
 to count its parameters, and prints, for the layout given and for the chapters' other layouts, the
@@ -60,8 +62,8 @@ that does. The formulas are those the chapter READMEs teach; this is the one pla
   FSDP below T = 3 E I (2 c + 4) / (2 p top-k c) tokens per GPU per micro-step, c the compute
   dtype's bytes and p those passes (bf16, full checkpointing: 2 E I / top-k), whatever ep and the
   shard group: what EP saves of FSDP's bytes and what it sends both scale as (ep - 1) / ep. Its
-  activations are not modelled: the formula above is a dense block's, with the config's
-  intermediate_size.
+  activations are not modelled here (chapter 10's are): the formula above is a dense block's, with
+  the config's intermediate_size.
 - Pipelines (--pp-size, chapter 08; plan_pipeline.py): the blocks cut into pp stages (x 2 for the
   looped schedules), a stage per pp rank (or two), its rank's dp ranks holding it under FSDP. A
   stage's units stay gathered all step (compute dtype) and its gradients accumulate whole (fp32) to
@@ -84,7 +86,19 @@ that does. The formulas are those the chapter READMEs teach; this is the one pla
   (without). Not counted, as for chapters 05 and 07: full checkpointing's recompute of TP's forward
   collectives (4 per block and micro-batch more; selective repeats the all-gathers), loss parallel's
   all-reduces, the embeddings' gradient each tp rank makes whole, the pipeline's receive buffers.
-  Chapter 10 has no FP8 (--fp8 is refused) and no experts.
+  Chapter 10 has no FP8 (--fp8 is refused).
+- Chapter 10's experts (--ep-size with --pp-size; plan_experts.stage_experts): a second mesh (pp,
+  replicate, efsdp, ep), ep innermost, efsdp x ep = dp_shard x cp x tp (ep must divide it, and the
+  experts). Per GPU of a stage: its routed experts' state over dp_shard x cp x tp (16 bytes per
+  parameter / that), E / ep of each layer gathered all step with their whole fp32 gradients (the
+  shards' gradients after the peak); the routers and shared experts whole on each tp rank, over
+  dp_shard x cp; the rest as above. Each rank dispatches its own tokens (rows x seq / (cp x tp) per
+  micro-batch: sequence parallel's): per layer of experts, as chapter 09's all-to-all; TP's
+  collectives of a block of experts are attention's alone, and the routers' gradient shards are
+  all-reduced over tp once per step. A block of experts keeps more for backward than a dense one
+  (plan_memory.moe_block_bytes: top-k copies of the hidden states and of the experts' widths);
+  every pipeline stage is planned (DeepSeek-V3's first blocks are dense: the busiest is not the
+  first). Checked against the collectives and FSDPMemTracker (tests/test_real_layouts.py).
 - Through each NIC (one per GPU): NCCL runs a collective as flat rings, each entering and leaving
   every node once through a NIC of its own, so a group that spans nodes puts through each NIC what
   one GPU sends, divided by the group's GPUs in a node (8 for FSDP over nodes of 8, 1 for HSDP's
@@ -93,12 +107,15 @@ that does. The formulas are those the chapter READMEs teach; this is the one pla
   stage fills a node. Chapter 10's cp ring across nodes: its all-gathers as a ring, and its
   gradients' hop to the next cp rank through the NIC of the GPU at a node's edge (the busiest,
   counted).
-- Published weights (chapters 04-09): --from-pretrained has each GPU read its own slices of the
+- Published weights (chapters 04-10): --from-pretrained has each GPU read its own slices of the
   safetensors into its fp32 shards (every replica the whole model), holding above them only a
-  slice and its fp32 cast, on the host. --export-hf casts each shard to the published dtype on the
-  GPU, DCP writes each replicated shard once, and torch's merge gives file i (of <= 5 GiB) to rank
-  i: it reads that file's pieces and writes it, one tensor at a time. Time: those bytes through
-  each node's link to the shared storage, at --storage-gbps (an assumption: 2 GB/s, NFS-like).
+  slice and its fp32 cast, on the host; a block-FP8 release (a config's quantization_config,
+  DeepSeek-V3's) 1 byte per weight of the blocks and a scale per block, dequantized as read. A
+  mixture's experts are published one tensor each, read and merged whole. --export-hf casts each
+  shard to the published dtype on the GPU, DCP writes each replicated shard once, and torch's merge
+  gives file i (of <= 5 GiB) to rank i: it reads that file's pieces and writes it, one tensor at a
+  time. Time: those bytes through each node's link to the shared storage, at --storage-gbps (an
+  assumption: 2 GB/s, NFS-like).
 
 The gradients are counted as held at the peak, though under FSDP they are mostly allocated after
 it, as backward frees the activations: a margin of up to 4 bytes per parameter per GPU.
@@ -115,14 +132,13 @@ The code, by concern: tools/plan_model.py (the layout, its mesh, the model's num
 plan_memory.py (activations, the loss), plan_communication.py (bytes per dimension, NICs),
 plan_layouts.py (what runs, the options, a GPU's plan), plan_pipeline.py (stages, schedules),
 plan_experts.py, plan_published.py, plan_fp8.py; the chapters' own rules they follow are loaded
-from the chapters' files by tools/chapters.py. This module prints.
+from the chapters' files by tools/chapters.py. This module prints (the experts: plan_print_experts.py).
 """
 
 import argparse
-import dataclasses
 
 import common  # first: it quiets torchao's import-time lines
-from tools.plan_experts import check_experts, expert_traffic
+from tools.plan_experts import check_experts, expert_groups, expert_traffic
 from tools.plan_fp8 import fp8_ceiling
 from tools.plan_layouts import check, layouts, plan
 from tools.plan_memory import activation_bytes, activation_parts, loss_backward_bytes
@@ -137,6 +153,7 @@ from tools.plan_model import (
     shard_ranks,
 )
 from tools.plan_pipeline import bubble, in_flight, pipeline, pipeline_plan, stage_params, timeline
+from tools.plan_print_experts import print_composed_experts, print_experts
 from tools.plan_published import EXPORT_FILE_BYTES, export_files, published_io
 
 # What callers import from tools.plan (the tests, tools/memory.py): the planner's formulas live by
@@ -218,7 +235,7 @@ def main(argv=None) -> None:
     kind = "DDP" if args.ddp else f"HSDP over {args.shard_size}" if args.shard_size else "FSDP"
     ac = f", {args.activation_checkpointing} AC" if args.activation_checkpointing else ""
     if composed(chosen):
-        print_composed(chosen, result, args, ac)
+        print_composed(m, chosen, result, args, ac, compute_bytes)
     elif args.pp_size > 1:
         print_pipeline(result, args, kind, ac)
     else:
@@ -285,80 +302,6 @@ def print_flat(
         print_experts(m, layout, result, args, compute_bytes)
 
 
-def print_experts(m: dict, layout: Layout, result: dict, args, compute_bytes: int) -> None:
-    """Chapter 09's experts on the detailed layout: what each GPU holds of them, and what it sends
-    per layer of experts and micro-step, by all-to-all and by FSDP, against FSDP of every expert;
-    with --ep-size 1, what EP over a node would send instead."""
-    e, ep, shard = result["experts"], layout.ep, layout.shard or layout.gpus
-    tokens, experts_per_rank = args.batch_size * args.seq_length, m["experts"] // ep
-    mesh = f"EP {ep} (09), mesh {layout.gpus // shard} x {e['efsdp']} x {ep} (replicate, efsdp, ep)"
-    share = m["moe_layers"] * m["expert_params"] / m["params"]
-    print(
-        f"Experts, {mesh if ep > 1 else 'FSDP (04)'}: {m['moe_layers']} layers of {m['experts']}, "
-        f"{m['top_k']} per token, each 3 x {m['hidden']} x {m['expert_width']} "
-        f"({m['expert_params'] / 1e9:.2f}B per layer, {share:.0%} of the parameters)"
-    )
-    print(
-        f"  per GPU (of the figures above): weights {e['weights'] / GIB:.2f} GiB, gradients "
-        f"{e['gradients'] / GIB:.2f} GiB, optimizer {e['optimizer'] / GIB:.2f} GiB, as FSDP over "
-        f"{shard}: {experts_per_rank} experts of each layer, sharded over {e['efsdp']}; a layer's "
-        f"gathered {e['gathered'] / GIB:.2f} GiB ({experts_per_rank} experts)"
-    )
-    # The activation formula is a dense block's: HF's MoE blocks keep other tensors (not measured).
-    print(
-        f"  activations above: as a dense block's with the config's intermediate_size "
-        f"({m['mlp']}); the experts' own (top-k copies per token, the all-to-alls' buffers) "
-        "not counted"
-    )
-    if ep == 1:
-        print(
-            f"  sent per GPU per layer of experts and micro-step: FSDP of all {m['experts']} over "
-            f"{shard} ranks {e['fsdp_all'] / GIB:.2f} GiB; expert parallelism sends their tokens "
-            "instead: --ep-size"
-        )
-        hint = dataclasses.replace(layout, ep=args.gpus_per_node)  # chapter 09's default: a node
-        if hint.ep > 1 and not check_experts(m, hint):
-            e = expert_traffic(m, hint, tokens, compute_bytes)
-            print(
-                f"  with --ep-size {hint.ep}: all-to-all {e['all_to_all'] / GIB:.2f} GiB and FSDP "
-                f"over {e['efsdp']} {e['fsdp_local'] / GIB:.2f} GiB; fewer bytes than FSDP below "
-                f"{e['break_even_tokens']:,.0f} tokens per GPU per micro-step (here {tokens:,})"
-            )
-        print()
-        return
-    passes = ["forward", "backward", "recompute"][: e["passes"]]
-    print(f"  sent per GPU per layer of experts and micro-step ({tokens:,} tokens per GPU):")
-    print(
-        f"    all-to-all: {tokens:,} tokens x {m['top_k']} copies x {m['hidden']} x "
-        f"{compute_bytes} B, {ep - 1}/{ep} to other ranks (routing uniform), x 2 (dispatch, "
-        f"combine) x {len(passes)} ({', '.join(passes)}): {e['all_to_all'] / GIB:.2f} GiB"
-    )
-    print(
-        f"    FSDP of its {experts_per_rank} experts over efsdp {e['efsdp']} (gathered twice, "
-        f"gradients reduce-scattered): {e['fsdp_local'] / GIB:.2f} GiB"
-    )
-    print(
-        f"    EP in all {(e['all_to_all'] + e['fsdp_local']) / GIB:.2f} GiB, against FSDP of all "
-        f"{m['experts']} over {shard} ranks (no EP) {e['fsdp_all'] / GIB:.2f} GiB"
-    )
-    print(
-        f"  EP sends fewer bytes than FSDP below {e['break_even_tokens']:,.0f} tokens per GPU per "
-        f"micro-step (here {tokens:,}), whatever --ep-size: what it saves and what it sends both "
-        "scale as (ep - 1) / ep"
-    )
-    sent, network = result["sent_ep"], result["network_ep"]
-    best = network / 1e9 / args.network_gbps + (sent - network) / 1e9 / args.nvlink_gbps
-    print(
-        f"  all-to-all per step ({m['moe_layers']} layers): {sent / GIB:.2f} GiB per GPU, through "
-        f"each NIC {network / GIB:.2f} GiB (at best {best:.3f} s); its FSDP over efsdp is in the "
-        "'over dp' above"
-    )
-    print(
-        "  Routing assumed uniform: the busiest rank receives its experts' load over the mean "
-        "(chapter 09 logs experts/load) times its share, and its all-to-all's ranks wait for it\n"
-    )
-
-
 def print_published(m: dict, layout: Layout, result: dict, gbps: float) -> None:
     """Chapters 04-09's --from-pretrained and --export-hf on the detailed layout: per GPU and per
     node, the bytes moved on the shared storage, their time, the memory above the training state;
@@ -379,6 +322,8 @@ def print_published(m: dict, layout: Layout, result: dict, gbps: float) -> None:
     def plural(n, thing):
         return f"{n} {thing}{'s' if n != 1 else ''}"
 
+    if m["read_bytes"] < m["params"] * m["dtype"].itemsize:  # DeepSeek-V3's release: block-FP8
+        dtype = f"block-FP8 (exported in {dtype})"
     print(f"Published weights (04-10), {dtype} safetensors; shared storage at {gbps:g} GB/s per "
           "node (--storage-gbps, assumed):")  # fmt: skip
     print(f"  --from-pretrained, each GPU reads its own slices: {gib(io['read'])}, a node "
@@ -417,13 +362,16 @@ def print_pipeline(result: dict, args, kind: str, ac: str) -> None:
 
 
 def print_stages(result: dict, args) -> None:
-    """A pipeline's GPU of the first stage and of the last: memory, micro-batches held, the bubble,
-    and (for short 1F1B and GPipe pipelines) the schedule's order over time."""
-    last, m = result["last stage"], result["microbatches"]
-    print(f"  {'':<13} {'first stage':>12} {'last stage':>12}")
-    for key in ["weights", "gradients", "optimizer", "gathered", "activations", "loss backward"]:
-        print(f"  {key:<13} {result[key] / GIB:8.2f} GiB {last[key] / GIB:8.2f} GiB")
-    print(f"  {'total':<13} {result['first stage total'] / GIB:8.2f} GiB {last['total'] / GIB:8.2f} GiB")
+    """A pipeline's GPU of the first stage and of the last (and of the one that holds the most, when
+    another): memory, micro-batches held, the bubble, and (for short 1F1B and GPipe pipelines) the
+    schedule's order over time."""
+    last, m, busiest = result["last stage"], result["microbatches"], result["busiest"]
+    first = result["stages"][0]  # its own total: the result's is the busiest stage's
+    columns = [first, last] + ([result["stages"][busiest]] if 0 < busiest < args.pp_size - 1 else [])
+    other = f" {f'stage {busiest}':>12}" if len(columns) > 2 else ""
+    print(f"  {'':<13} {'first stage':>12} {'last stage':>12}{other}")
+    for key in ["weights", "gradients", "optimizer", "gathered", "activations", "loss backward", "total"]:
+        print(f"  {key:<13}" + "".join(f" {column[key] / GIB:8.2f} GiB" for column in columns))
     print(f"  stage forwards held at once (activations): {result['in_flight']} on the first stage's GPUs, "
           f"{last['in_flight']} on the last's; bubble: {result['bubble']:.1%} of each step idle")  # fmt: skip
     if args.pp_schedule in ("1F1B", "GPipe") and 3 * (m + args.pp_size) < 100:
@@ -433,7 +381,7 @@ def print_stages(result: dict, args) -> None:
             print(f"    pp rank {rank}: {line}")
 
 
-def print_composed(layout: Layout, result: dict, args, ac: str) -> None:
+def print_composed(m: dict, layout: Layout, result: dict, args, ac: str, compute_bytes: int) -> None:
     """Chapter 10's mesh (pp, dp_replicate, dp_shard, cp, tp), tp innermost: each GPU's memory (with
     pp, a first stage's and a last stage's) and what it sends per step over each dimension, through
     its NIC where the dimension's groups span nodes, over NVLink where they lie in one."""
@@ -445,13 +393,15 @@ def print_composed(layout: Layout, result: dict, args, ac: str) -> None:
     fsdp = f"FSDP over dp_shard x cp, {shard} ranks"
     print(f"Per GPU, chapter 10's mesh {mesh} (tp innermost; {fsdp}){ac}:")
     columns = [("each GPU", result)]
+    busiest = result.get("busiest", 0)
     if layout.pp > 1:
-        m, rows = result["microbatches"], pipeline_rows(layout, args.batch_size)
+        n, rows = result["microbatches"], pipeline_rows(layout, args.batch_size)
         tokens = f"; {result['tokens_per_microbatch']:,} per GPU, / cp" if layout.cp > 1 else ""
-        print(f"  pipeline: {args.pp_schedule}, the dp rank's {rows} rows in {m} micro-batches of "
-              f"{rows // m} x {args.seq_length} tokens{tokens}")  # fmt: skip
+        print(f"  pipeline: {args.pp_schedule}, the dp rank's {rows} rows in {n} micro-batches of "
+              f"{rows // n} x {args.seq_length} tokens{tokens}")  # fmt: skip
         print_stages(result, args)
-        columns = [("first stage", result), ("last stage", result["last stage"])]
+        columns = [("first stage", result["stages"][0]), ("last stage", result["last stage"])]
+        columns += [(f"stage {busiest}", result["stages"][busiest])] if 0 < busiest < layout.pp - 1 else []
     else:
         keys = ["weights", "gradients", "optimizer", "gathered", "activations", "loss backward"]
         for key in [*keys, "total"]:
@@ -460,9 +410,10 @@ def print_composed(layout: Layout, result: dict, args, ac: str) -> None:
     header = "".join(f" {name:>12} {'NIC':>7}" for name, _ in columns)
     print(f"    {'dimension':<22} {'ranks':>5} {'apart':>5} {'spans':>10}{header}")
     names = {"shard": "dp_shard x cp (FSDP)", "replicate": "dp_replicate (HSDP)", "tp": "tp",
-             "cp": "cp (ring attention)", "pp": "pp (stage to stage)"}  # fmt: skip
+             "cp": "cp (ring attention)", "pp": "pp (stage to stage)", "ep": "ep (all-to-all)",
+             "experts_fsdp": "efsdp (experts' FSDP)"}  # fmt: skip
     network, nvlink = [0.0] * len(columns), [0.0] * len(columns)
-    for key, (ranks, apart) in mesh_groups(layout).items():
+    for key, (ranks, apart) in (mesh_groups(layout) | expert_groups(layout)).items():
         nodes = max(1, min(ranks, ranks * apart // g))
         spans = "-" if ranks == 1 else "a node" if nodes == 1 else f"{nodes} nodes"
         line = f"    {names[key]:<22} {ranks:>5} {apart:>5} {spans:>10}"
@@ -478,6 +429,8 @@ def print_composed(layout: Layout, result: dict, args, ac: str) -> None:
               f"{nvlink[i] / GIB:.2f} GiB (at best {best:.3f} s; tp's in the step's path, the rest "
               "overlapped)")  # fmt: skip
     print()
+    if m["moe_layers"] and layout.pp > 1:
+        print_composed_experts(m, layout, result, args, compute_bytes)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 they count: tools/plan.py's docstring."""
 
 from tools.plan_communication import cp_nic, cp_sent, per_nic, ring, tp_sent
-from tools.plan_experts import check_experts, expert_traffic
+from tools.plan_experts import check_composed_experts, check_experts, expert_traffic
 from tools.plan_memory import activation_bytes, loss_backward_bytes
 from tools.plan_model import Layout, composed, dp_ranks, pipeline_rows, shard_ranks
 from tools.plan_pipeline import pipeline, pipeline_plan
@@ -48,7 +48,7 @@ def plan(
     replicate, replicas = 0, dp * layout.cp // shard
     if layout.sharded:
         # Gathered twice: the blocks, and the embeddings when they are a unit of their own (untied).
-        twice = m["layers"] * m["block_params"] + (0 if m["tied"] else m["embedding"])
+        twice = sum(m["block_sizes"]) + (0 if m["tied"] else m["embedding"])
         gathered_bytes = (2 * twice + (p - twice)) * compute_bytes
         gathered_bytes -= 2 * m["layers"] * fp8_block * (compute_bytes - 1)
         shard_group = ring(shard) * (gathered_bytes + 4 * p) / t
@@ -147,10 +147,12 @@ def check(
                 f"--pp-schedule {layout.schedule} needs a multiple of --pp-size micro-batches, "
                 f"not {microbatches}"
             )
-    if layout.ep > 1:  # chapter 09's refusals (experts.check_layout, experts.check_model)
-        problem = check_experts(m, layout)
+    if layout.ep > 1:  # chapter 09's refusals (experts.py), or chapter 10's (dims.py) in a pipeline
+        problem = check_composed_experts(m, layout) if pp > 1 else check_experts(m, layout)
         if problem:
             return problem
+    if tp > 1 and not m["llama_attention"]:
+        return f"--tp-size {tp}: chapter 05's plan is for Llama-style attention (q_proj...): not this model's"
     for name, value in [
         ("attention heads", m["heads"]),
         ("key/value heads", m["kv_heads"]),

@@ -54,3 +54,22 @@ def loss_backward_bytes(m: dict, tokens: int, tp: int) -> float:
     """What the loss's backward adds at its start: the fp32 gradients of the log-softmax and the
     logits."""
     return tokens * m["vocab"] * 8 / tp
+
+
+def moe_block_bytes(m: dict, tp: int, compute_bytes: int, compiled: bool = True) -> float:
+    """Bytes per token that a block whose MLP is a mixture of experts keeps for backward (all of it
+    while checkpointing recomputes it), with chapter 09's dispatch (eager, compiled or not): the
+    dense formula's attention, norms and residuals (its MLP's 3 or 4 I and, under TP, its gathered
+    input left out: the MoE block takes sequence parallel's tokens as they are), and for each of
+    the tp rank's own tokens, top-k copies each of the sent, received, computed, returned and
+    gathered-back hidden states (5 h), of the experts' gate and up outputs, activation and product
+    (4 I, I their width), and the gated copies in fp32 (4 h bytes: the routers' gates are fp32); the
+    shared experts as an MLP of their width (4 of it). At DeepSeek-V3's widths, eager: 1.07 MiB per
+    token, where FSDPMemTracker's activations at the peak of a stage of 8 blocks of experts, less
+    the inputs its 7 forwards held keep, come to 1.02 (tools.memory, BENCHMARKS.md)."""
+    h, c = m["hidden"], compute_bytes
+    dense, _, _ = activation_parts({**m, "mlp": 0}, tp, False, c, compiled)
+    dense -= h * c * (1 - 1 / tp)  # the MLP's gathered input
+    shared = (max(m["block_whole"]) - m["experts"] * h) / (3 * h)  # their width (the router's h x E aside)
+    copies = m["top_k"] * (5 * h * c + 4 * m["expert_width"] * c + 4 * h)
+    return dense + (copies + 4 * shared * c) / tp

@@ -35,9 +35,11 @@ class Layout:
 
 
 def composed(layout: Layout) -> bool:
-    """Chapter 10's layouts: two or three of tp, cp and pp on one mesh. One of them alone is chapter
-    05's, 07's or 08's layout, and the planner counts it as that chapter does."""
-    return sum(size > 1 for size in (layout.tp, layout.cp, layout.pp)) > 1
+    """Chapter 10's layouts: two or three of tp, cp and pp on one mesh, or one of them with ep. One
+    of them alone is chapter 05's, 07's or 08's layout, and the planner counts it as that chapter
+    does; ep alone, chapter 09's."""
+    others = sum(size > 1 for size in (layout.tp, layout.cp, layout.pp))
+    return others > 1 or others == 1 and layout.ep > 1
 
 
 def dp_ranks(layout: Layout) -> int:
@@ -103,6 +105,13 @@ def count(model_name: str) -> dict:
     moe = any(isinstance(n, int) and n > 1 for n in routed)
     moe_layers = common.experts_modules(model) if moe else []
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    # Each block's parameters, and of them its experts' and the rest of its mixture of experts
+    # (router, shared experts: whole on each tp rank in chapter 10): DeepSeek-V3's first blocks are
+    # dense, its others 20 times larger.
+    sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    experts = [common.experts_modules(block) if moe else [] for block in blocks]
+    in_experts = [sum(p.numel() for e in found for p in e.parameters()) for found in experts]
+    whole = [moe_block_params(b, found[0]) - n if found else 0 for b, found, n in zip(blocks, experts, in_experts)]
     return {
         "params": sum(p.numel() for p in model.parameters()),
         "embedding": model.get_input_embeddings().weight.numel(),
@@ -113,7 +122,10 @@ def count(model_name: str) -> dict:
         # weight, and attention.
         "matmul_weights": sum(m.in_features * m.out_features for m in linears),
         "attention_flops": 12 * len(blocks) * heads * head_dim,  # per token, x seq-length
-        "block_params": sum(p.numel() for p in blocks[0].parameters()),
+        "block_params": max(sizes),  # the largest block's (all alike, but for DeepSeek-V3's)
+        "block_sizes": sizes,
+        "block_experts": in_experts,  # per block: its routed experts' parameters (0: dense)
+        "block_whole": whole,  # per block: its router's and shared experts' parameters
         "layers": len(blocks),
         "hidden": config.hidden_size,
         "kv": kv_heads * head_dim,
@@ -121,6 +133,8 @@ def count(model_name: str) -> dict:
         "vocab": config.vocab_size,
         "heads": heads,
         "kv_heads": kv_heads,
+        # Chapter 05's plan names Llama's attention (q_proj...): not DeepSeek-V3's latent one.
+        "llama_attention": any(n.endswith("self_attn.q_proj") for n, _ in blocks[0].named_modules()),
         # Mixtures of experts (0 for a dense model): the layers of experts, each's E experts of
         # width I (moe_intermediate_size), top_k of them per token, one layer's expert parameters.
         "moe_layers": len(moe_layers),
@@ -131,5 +145,52 @@ def count(model_name: str) -> dict:
         # The published tensors, in the order --export-hf files them (a tied weight once), and the
         # dtype they are published in (the chapters' export dtype by default): fp32 if unsaid.
         "tensors": [p.numel() for p in model.parameters()],
+        # Published, one tensor per expert: all, the largest but the experts', an expert's largest.
+        **dict(zip(["published", "largest_tensor", "expert_tensor"], published_tensors(model, moe_layers))),
+        "read_bytes": release_bytes(config, model, blocks),
         "dtype": config.dtype or torch.float32,
     }
+
+
+def moe_block_params(block, experts_module) -> int:
+    """The parameters of the module that holds `experts_module` in `block` (the MoE block: its
+    router, shared experts and experts)."""
+    parent = next(name for name, module in block.named_modules() if module is experts_module)
+    return sum(p.numel() for p in block.get_submodule(parent.rpartition(".")[0]).parameters())
+
+
+def published_tensors(model, moe_layers) -> tuple[list[int], int, int]:
+    """The tensors --export-hf writes, in order: each parameter, but a mixture of experts' stacked
+    weights one tensor per expert (gate_up_proj two: gate, up), as published checkpoints hold them
+    (chapter 04's published.published_state); and the largest of the others, and of the experts'
+    (each on one rank, whole: sharded on the experts' dim)."""
+    stacked = {id(p): (module.num_experts, 2 if name == "gate_up_proj" else 1)
+               for module in moe_layers for name, p in module.named_parameters(recurse=False)}  # fmt: skip
+    sizes, largest, expert = [], 0, 0
+    for param in model.parameters():
+        experts, parts = stacked.get(id(param), (1, 1))
+        sizes += [param.numel() // (experts * parts)] * (experts * parts)
+        if id(param) in stacked:
+            expert = max(expert, sizes[-1])
+        else:
+            largest = max(largest, sizes[-1])
+    return sizes, largest, expert
+
+
+def release_bytes(config, model, blocks) -> float:
+    """The bytes of the published weights a start reads: the config's dtype (fp32 if unsaid), or,
+    for a block-FP8 release (DeepSeek-V3's quantization_config), 1 byte per weight of the blocks'
+    matmuls and experts (not their routers) and an fp32 scale per block of them, which the chapters
+    dequantize as they read (published.weights_reader)."""
+    dtype = (config.dtype or torch.float32).itemsize
+    quantization = getattr(config, "quantization_config", None) or {}
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    if quantization.get("quant_method") != "fp8" or not quantization.get("weight_block_size"):
+        return sum(p.numel() for p in model.parameters()) * dtype
+    rows, cols = quantization["weight_block_size"]
+    routers = [m for b in blocks for m in b.modules() if type(m).__name__.endswith("Router")]
+    routers = {id(p) for m in routers for p in m.parameters()}
+    quantized = {id(p): p.numel() for b in blocks for p in b.parameters() if p.ndim > 1 and id(p) not in routers}
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in quantized)
+    return sum(quantized.values()) * (1 + 4 / (rows * cols)) + rest * dtype

@@ -1,10 +1,11 @@
 """Pipelines (--pp-size > 1): chapter 08's (FSDP within each stage) and chapter 10's (FSDP x TP x CP
-within each stage): the stages' blocks, the micro-batches a rank holds at once, the bubble, and
-what a GPU of the first and of the last stage holds and sends per pipeline step."""
+within each stage, and EP for a mixture of experts): the stages' blocks, the micro-batches a rank
+holds at once, the bubble, and what a GPU of each stage holds and sends per pipeline step."""
 
 from tools.chapters import chapter_module
 from tools.plan_communication import cp_nic, cp_sent, per_nic, ring, tp_sent
-from tools.plan_memory import activation_parts, loss_backward_bytes
+from tools.plan_experts import stage_experts
+from tools.plan_memory import activation_parts, loss_backward_bytes, moe_block_bytes
 from tools.plan_model import Layout, dp_ranks, shard_ranks
 
 # How the blocks are cut into stages, and how many stages a rank runs per schedule: chapter 08's
@@ -78,25 +79,32 @@ def timeline(schedule: str, pp: int, microbatches: int) -> list[str]:
     return ["".join(line) + "." * (end - len(line)) for line in lines]
 
 
-def stage_params(m: dict, layout: Layout, rank: int) -> tuple[float, int]:
-    """A pp rank's stages' parameters (chapter 08's cut: pipeline.stage_blocks), and blocks."""
+def stage_block_ids(m: dict, layout: Layout, rank: int) -> list[int]:
+    """A pp rank's stages' blocks, by index (chapter 08's cut: pipeline.stage_blocks)."""
     v = pipeline.stages_per_rank(layout.schedule)
     stages = range(rank, layout.pp * v, layout.pp)
-    blocks = sum(len(pipeline.stage_blocks(m["layers"], layout.pp * v, s)) for s in stages)
-    params = blocks * m["block_params"]
+    return [i for s in stages for i in pipeline.stage_blocks(m["layers"], layout.pp * v, s)]
+
+
+def stage_params(m: dict, layout: Layout, rank: int) -> tuple[float, int]:
+    """A pp rank's stages' parameters, and blocks."""
+    ids = stage_block_ids(m, layout, rank)
+    params = sum(m["block_sizes"][i] for i in ids)
     if rank == 0:
         params += m["embedding"]
     if rank == layout.pp - 1:  # the final norm and the output layer: the rest
-        params += m["params"] - m["layers"] * m["block_params"] - m["embedding"]
-    return params, blocks
+        params += m["params"] - sum(m["block_sizes"]) - m["embedding"]
+    return params, len(ids)
 
 
 def pipeline_plan(
     m: dict, layout: Layout, rows: int, seq_length: int, compute_bytes: int, compiled: bool
 ) -> dict:
     """A pipeline's first stage's GPU (the most activations in flight) and, under "last stage", its
-    last's (the output layer and the loss): what each holds at its peak, and sends per pipeline step
-    of `rows` rows (plan.pipeline_rows: chapter 08's pp x --batch-size, chapter 10's --batch-size).
+    last's (the output layer and the loss), under "stages" each stage's GPU, "total" the busiest's
+    ("busiest": DeepSeek-V3's second stage holds more experts than its first): what each holds at
+    its peak, and sends per pipeline step of `rows` rows (plan.pipeline_rows: chapter 08's pp x
+    --batch-size, chapter 10's --batch-size). Chapter 10's experts: plan_experts.stage_experts.
 
     The mesh is (pp, dp_replicate, dp_shard, cp, tp), tp innermost: a stage's GPUs are the job's
     gpus / pp consecutive ones. Chapter 08 is its case cp = tp = 1. Each stage's blocks are split
@@ -124,70 +132,113 @@ def pipeline_plan(
     tokens = rows // microbatches * seq_length // cp  # per micro-batch, this GPU's slice of it
     ac = layout.checkpointing
     kept, recomputed, outside = activation_parts(m, t, ac, compute_bytes, compiled)
+    moe_block = moe_block_bytes(m, t, compute_bytes, compiled) if m["moe_layers"] else 0
     activation = tokens * m["hidden"] * compute_bytes / t  # what a stage sends on, per micro-batch
 
-    ranks = {}
-    for rank in dict.fromkeys([0, pp - 1]):
+    ranks = []
+    for rank in range(pp):
         params, blocks = stage_params(m, layout, rank)
+        # A mixture of experts (chapter 10): its routed experts E / ep of each layer, sharded over
+        # efsdp (dp_shard x cp x tp / ep ranks); its routers and shared experts whole on each tp
+        # rank, sharded over dp_shard x cp; the rest split over tp (plan_experts.stage_experts).
+        e = stage_experts(m, layout, stage_block_ids(m, layout, rank), tokens, compute_bytes)
+        split, whole, experts, ep = params - e["experts"] - e["whole"], e["whole"], e["experts"], layout.ep
+        held_params = split + t * whole + experts  # / (shard x tp): this GPU's shards
+        full = split + t * whole + t * experts / ep  # / tp: what it computes with
         chunks = in_flight(layout.schedule, pp, v, microbatches, rank)
         first, last = rank == 0, rank == pp - 1
         # Each stage forward held keeps its blocks' activations, the last stage's its log-softmax.
+        # A block of experts keeps more than a dense one (plan_memory.moe_block_bytes): without
+        # checkpointing, in each forward held; with it, while the largest block is recomputed.
         log_softmax = max(1, chunks // v) * outside if last else 0
-        held = tokens * (chunks * blocks / v * kept + log_softmax + recomputed)
-        # The gradients accumulate whole, and are reduce-scattered into their shards at the end.
-        state = {"weights": 4 * params / (shard * t), "gradients": 4 * params / t * (1 + 1 / shard)}
+        dense_blocks, moe_blocks = blocks - e["moe_layers"], e["moe_layers"]
+        kept_blocks = dense_blocks * kept + moe_blocks * (kept if ac else moe_block)
+        largest = max(recomputed if dense_blocks else 0, moe_block if moe_blocks and ac else 0)
+        loss_backward = loss_backward_bytes(m, tokens, t) if last else 0
+        if last and moe_blocks and ac:
+            # The loss's backward is over before a block recomputes: the larger of the two (a block
+            # of experts' as large as the loss's, 4 GiB at DeepSeek-V3's 4,096 tokens; a dense
+            # block's small beside it, and summed). The loss's, with the logits the stage keeps for
+            # its backward and their gradient, bf16: 4 bytes more per vocabulary entry and token
+            # (FSDPMemTracker: 16 in all, at DeepSeek-V3's and at Qwen3-30B-A3B's).
+            logits = m["vocab"] * 4 / t
+            largest = max(largest, loss_backward / tokens + logits) - loss_backward / tokens
+        held = tokens * (chunks * kept_blocks / v + log_softmax + largest)
+        # The gradients accumulate whole, and are reduce-scattered into their shards at the end:
+        # the routed experts' shards after the peak (the last micro-batch's backward reduces them
+        # as it frees its activations; FSDPMemTracker found none at DeepSeek-V3's peaks, where
+        # they are half the experts' whole gradients at ep 32 of 64: tools.memory, BENCHMARKS.md).
+        state = {"weights": 4 * held_params / (shard * t)}
+        state["gradients"] = 4 * full / t + 4 * (held_params - experts) / (shard * t)
         if first and t > 1 and not m["tied"]:  # the embeddings' whole gradient, on every tp rank
             state["gradients"] += 4 * m["embedding"] * (1 - 1 / t)
-        state["optimizer"] = 8 * params / (shard * t)
-        gathered = compute_bytes * params / t
+        state["optimizer"] = 8 * held_params / (shard * t)
+        gathered = compute_bytes * full / t
         # With TP, the last micro-batch's backward ends each unit with its bf16 gradient and the
         # fp32 copy its reduce-scatter sends, beside the whole accumulated gradients: 6 bytes per
-        # parameter of a block (FSDPMemTracker measured it at Llama-3.1-405B's widths and TP 8; at
-        # tp 1, at Llama-3.1-8B's, nothing beyond the gradients counted here).
-        state["gradients"] += 6 * m["block_params"] / t if blocks and t > 1 else 0
-        loss_backward = loss_backward_bytes(m, tokens, t) if last else 0
-        replicate = ring(replicas) * 2 * 4 * params / (shard * t)
-        shard_group = ring(shard) * (compute_bytes + 4) * params / t
+        # parameter of a unit, the largest (FSDPMemTracker measured it at Llama-3.1-405B's widths
+        # and TP 8; at tp 1, at Llama-3.1-8B's, nothing beyond the gradients counted here). A
+        # block of experts peaks in its backward, beside a layer's experts' new gradient on its
+        # way into the accumulated one: 4 bytes per parameter of their E / ep (FSDPMemTracker: 1.6
+        # GiB at DeepSeek-V3's 8 of 256, 4.9 bytes each, tp 1; tools.memory, BENCHMARKS.md).
+        state["gradients"] += max(6 * e["largest_unit"] if blocks and t > 1 else 0, 4 * e["largest_experts"])
+        replicate = ring(replicas) * 2 * 4 * held_params / (shard * t)
+        shard_group = ring(shard) * (compute_bytes + 4) * (split + t * whole) / t
+        efsdp = shard * t // ep  # the experts' FSDP group, ep apart
+        expert_group = ring(efsdp) * (compute_bytes + 4) * experts / ep
         sent_tp = microbatches * tp_sent(m, t, tokens, blocks, first + last, compute_bytes, (), ac)
+        sent_tp += e["tp_all_reduce"] - microbatches * e["tp_mlp"]
         sent_cp, cp_gradients = cp_sent(m, layout, tokens, blocks, compute_bytes)
         sent_cp, cp_gradients = microbatches * sent_cp, microbatches * cp_gradients
         sent_pp = (2 * v - first - last) * microbatches * activation
+        # The all-to-alls over ep consecutive ranks: what goes to another node's leaves by its NIC.
+        sent_ep = microbatches * e["all_to_all"]
+        ep_nic = sent_ep * (ep - g) / (ep - 1) if ep > g else 0
         # A stage's sends go to a GPU of the next stage (the same place in it): through this GPU's
         # NIC when a stage fills a node or more.
         pp_nic = sent_pp if stage_gpus >= g else 0
         shard_nic = per_nic(shard_group, shard, t, g)
+        expert_nic = per_nic(expert_group, efsdp, ep, g)
         replicate_nic = per_nic(replicate, replicas, shard * t, g)
-        network = pp_nic + shard_nic + replicate_nic
-        ranks[rank] = {
+        network = pp_nic + shard_nic + expert_nic + replicate_nic
+        ranks.append({
             **state,
-            "sharded gradients": 4 * params / (shard * t),
+            "sharded gradients": 4 * held_params / (shard * t),
             "gathered": gathered,
             "activations": held,
             "loss backward": loss_backward,
             "total": sum(state.values()) + gathered + held + loss_backward,
-            "sent_dp": shard_group + replicate,
+            "sent_dp": shard_group + expert_group + replicate,
             "sent_shard": shard_group,
             "sent_replicate": replicate,
-            "network_per_nic": network,  # dp's and pp's (tp's: none; cp's: network_cp)
+            "sent_experts_fsdp": expert_group,  # of sent_dp, the experts' over efsdp
+            "network_per_nic": network,  # dp's and pp's (tp's: none; cp's: network_cp; ep's: network_ep)
             "network_shard": shard_nic,
             "network_replicate": replicate_nic,
+            "network_experts_fsdp": expert_nic,
             "network_cp": cp_nic(sent_cp, cp_gradients, layout),
             "network_pp": pp_nic,
-            "nvlink_dp": (0 if shard * t > g else shard_group)
+            "nvlink_dp": (0 if shard * t > g else shard_group + expert_group)
             + (0 if stage_gpus > g else replicate)
             + (0 if stage_gpus >= g else sent_pp),
             "sent_tp": sent_tp,
             "sent_cp": sent_cp,
             "sent_pp": sent_pp,
+            "sent_ep": sent_ep,  # the all-to-alls of its layers of experts, every micro-batch
+            "network_ep": ep_nic,
+            "moe_layers": e["moe_layers"],
             "in_flight": chunks,
             "blocks": blocks,
-        }
+        })  # fmt: skip
     first, last = ranks[0], ranks[pp - 1]
+    busiest = max(range(pp), key=lambda rank: ranks[rank]["total"])
     return {
         **first,
-        "total": max(first["total"], last["total"]),
+        "total": ranks[busiest]["total"],
         "first stage total": first["total"],
         "last stage": last,
+        "stages": ranks,  # every pp rank's, the first's and the last's among them
+        "busiest": busiest,  # the pp rank that holds the most
         "microbatches": microbatches,
         "tokens_per_microbatch": tokens,
         "bubble": bubble(layout, microbatches),

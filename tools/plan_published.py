@@ -10,9 +10,12 @@ EXPORT_FILE_BYTES = chapter_module("04-fsdp", "published").EXPORT_FILE_BYTES
 
 def export_files(m: dict) -> list[int]:
     """The bytes of each file --export-hf publishes: whole tensors in order, a new file once one
-    would pass EXPORT_FILE_BYTES (published.file_index's rule, chapters 04-09)."""
+    would pass EXPORT_FILE_BYTES (published.agree_on_file_index's rule, chapters 04-10), a mixture
+    of experts' one per expert (DeepSeek-V3's stacked gate_up_proj, 15 GiB, in 512 of 29 MiB). In
+    the model's order: the chapters list each rank's own tensors first, which may move some experts
+    to another file (the same bytes)."""
     files = [0]
-    for numel in m["tensors"]:
+    for numel in m["published"]:
         size = numel * m["dtype"].itemsize
         if files[-1] and files[-1] + size > EXPORT_FILE_BYTES:
             files.append(0)
@@ -25,8 +28,9 @@ def published_io(m: dict, layout: Layout, result: dict) -> dict:
     plan): the bytes it reads and writes of the published safetensors, and what it holds meanwhile
     above its training state; per node, what its GPUs move together through its storage link."""
     disk = m["dtype"].itemsize
-    # The parameters of this GPU's fp32 shards (of a pipeline's first or last stage, the larger).
-    held = max(r["weights"] for r in (result, result.get("last stage", result))) / 4
+    read = m["read_bytes"] / m["params"]  # per parameter: disk's, or a block-FP8 release's ~1
+    # The parameters of this GPU's fp32 shards (of a pipeline's stages, the largest).
+    held = max(r["weights"] for r in result.get("stages", [result])) / 4
     dp = layout.gpus // layout.tp // layout.pp  # a stage's ranks that split no tensor: dp x cp
     shard = shard_ranks(layout)
     replicas, split = dp // shard, shard * layout.tp  # split: the GPUs that split each large tensor
@@ -38,14 +42,14 @@ def published_io(m: dict, layout: Layout, result: dict) -> dict:
     for i, size in enumerate(files, 1):
         merged[i % layout.gpus] += size
     nodes = [sum(merged[n : n + g]) for n in range(0, layout.gpus, g)]
-    largest = max(m["tensors"])
+    largest, expert = m["largest_tensor"], m["expert_tensor"]  # an expert's: whole on its rank
     return {
-        "read": held * disk,  # into the fp32 shards to_empty allocated: no GPU memory above them
-        "read_node": held * disk * g,
+        "read": held * read,  # into the fp32 shards to_empty allocated: no GPU memory above them
+        "read_node": held * read * g,
         "replicas": replicas,
-        "read_job": m["params"] * disk * replicas,  # each replica reads the whole model
+        "read_job": m["read_bytes"] * replicas,  # each replica reads the whole model
         # A slice read, then cast to fp32 on the host: a blocking copy_ to the GPU casts on the CPU.
-        "read_host": largest / split * (disk + 4),
+        "read_host": max(largest / split, expert) * (disk + 4),
         "cast": held * disk,  # the export's copy of the shard in the published dtype, on the GPU
         "written": held * disk / replicas,
         "written_node": held * disk / replicas * g,
@@ -55,5 +59,5 @@ def published_io(m: dict, layout: Layout, result: dict) -> dict:
         "merged": max(merged),  # read, and as much written
         "merged_node": max(nodes),
         "merging": (sum(map(bool, merged)), sum(map(bool, nodes))),  # GPUs, nodes
-        "merge_host": largest * disk * (1 + 1 / split),  # a tensor whole, and a piece read into it
+        "merge_host": max(largest, expert) * disk * (1 + 1 / split),  # a tensor whole, and a piece read into it
     }

@@ -137,6 +137,18 @@ def install(path: str) -> None:
 
     DeviceMesh.__init__ = real_mesh_init
 
+    # init_device_mesh lays the ranks out with torch.arange: a mesh made after the first model (chapter
+    # 10's experts' mesh, once the model says it has experts) is laid out in real numbers too.
+    from torch.distributed import device_mesh
+
+    init_device_mesh = device_mesh.init_device_mesh
+
+    def real_init_device_mesh(*args, **kwargs):
+        with unset_fake_temporarily():
+            return init_device_mesh(*args, **kwargs)
+
+    device_mesh.init_device_mesh = real_init_device_mesh
+
     # DTensor computes where a rank's shard starts with small index tensors: real numbers too.
     from torch.distributed.tensor import _utils as dtensor_utils
 
