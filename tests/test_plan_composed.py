@@ -203,16 +203,25 @@ def test_a_pipeline_needs_untied_embeddings(tmp_path):
     assert "and untied embeddings" in str(exit.value.code)
 
 
-def test_composed_layouts_are_offered_on_several_nodes_of_a_dense_model():
-    from tools.plan import layouts
+def test_composed_layouts_are_offered_on_several_nodes():
+    """A dense model's: TP over a node with PP or CP over the nodes; a mixture's: PP over the nodes,
+    EP over a stage's ranks as far as 8 nodes; each one chapter 10 runs (tools.plan.check)."""
+    from tools.plan import check, count, layouts
 
     def names(gpus, experts=0):
         return [layout.name for layout in layouts(gpus, 8, experts) if "(10)" in layout.name]
 
-    assert names(8) == [] and names(64, experts=128) == []
+    assert names(8) == [] and names(8, experts=128) == []
     assert names(64) == [f"FSDP x TP 8 x PP {pp} (10) + AC" for pp in (2, 4, 8)] + [
         f"FSDP x TP 8 x CP {cp} (10) + AC" for cp in (2, 4, 8)
     ]
+    assert names(64, experts=128) == [f"FSDP x PP {pp} x EP {64 // pp} (10) + AC" for pp in (2, 4, 8)]
+    deepseek = count(str(SHAPES / "deepseek-v3"))
+    offered = [layout for layout in layouts(512, 8, deepseek["experts"]) if "(10)" in layout.name]
+    assert [layout.name for layout in offered] == [
+        *[f"FSDP x PP {pp} x EP 64 (10) + AC" for pp in (2, 4, 8)], "FSDP x PP 16 x EP 32 (10) + AC"
+    ]
+    assert [check(deepseek, layout, 8, 4096, batch_size=1) for layout in offered] == [None] * 4
 
 
 def test_llama_405b_on_torchtitans_3d_layout(capsys):
@@ -369,7 +378,7 @@ def test_deepseek_v3_671b_on_torchtitans_layout_by_hand(capsys, tmp_path):
         (["--nodes", "4", "--pp-size", "2", "--ep-size", "16"], "--ep-size 16 must divide the model's 8 experts"),
         (["--nodes", "2", "--pp-size", "2", "--cp-size", "2", "--shard-size", "1", "--ep-size", "4"],
          "--ep-size 4 must divide the 2 ranks that shard or split"),
-        (["--tp-size", "2", "--ep-size", "2"], "(chapter 10's, with --pp-size: a pipeline of FSDP x EP"),
+        (["--tp-size", "2", "--ep-size", "2"], "Chapter 10 runs EP with TP or CP too; this planner counts"),
     ],
     ids=["ep-3", "ep-past-the-stage", "ep-past-the-experts", "ep-past-hsdp", "tp-without-pp"],
 )  # fmt: skip

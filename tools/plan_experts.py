@@ -47,8 +47,8 @@ def check_experts(m: dict, layout: Layout) -> str | None:
     if layout.tp > 1 or layout.cp > 1 or layout.pp > 1 or not layout.sharded:
         others = "--tp-size, --cp-size, --pp-size or --ddp"
         return (
-            f"{flag} is chapter 09's, built on 04 (FSDP): without {others} (chapter 10's, "
-            "with --pp-size: a pipeline of FSDP x EP, with or without TP and CP)"
+            f"{flag} is chapter 09's, built on 04 (FSDP): without {others}. Chapter 10 runs EP "
+            "with TP or CP too; this planner counts its experts in a pipeline only: add --pp-size"
         )
     shard = layout.shard or layout.gpus
     if shard % layout.ep:

@@ -2,6 +2,8 @@
 (layouts), and what one GPU holds at a step's peak and sends per step (plan). The formulas and what
 they count: tools/plan.py's docstring."""
 
+import math
+
 from tools.plan_communication import cp_nic, cp_sent, per_nic, ring, tp_sent
 from tools.plan_experts import check_composed_experts, check_experts, expert_traffic
 from tools.plan_memory import activation_bytes, loss_backward_bytes
@@ -170,9 +172,10 @@ def layouts(gpus: int, gpus_per_node: int, num_experts: int = 0) -> list[Layout]
     nodes), then FSDP x TP inside a node (not for experts, which chapter 05 refuses), each without
     and then with activation checkpointing, then FSDP x CP, then, on several nodes, FSDP x PP with a
     stage per node (1F1B, one row per micro-batch); for a model of `num_experts` experts per layer,
-    FSDP x EP over a node (chapter 09's default); then, on several nodes, chapter 10's compositions
-    with a node's TP and full checkpointing: PP with a stage per group of nodes (FSDP over each
-    stage's nodes), and CP across nodes for rows too long for TP alone."""
+    FSDP x EP over a node (chapter 09's default), and on several nodes chapter 10's PP x EP (a
+    stage per group of nodes); then, on several nodes, chapter 10's compositions with a node's TP
+    and full checkpointing: PP with a stage per group of nodes (FSDP over each stage's nodes), and
+    CP across nodes for rows too long for TP alone."""
     options = [Layout("DDP (01-03)", gpus, sharded=False)]
     # Chapter 05's plans shard nn.Linear layers: not a mixture's stacked experts.
     for tp in [1, 2, 4, 8]:
@@ -198,6 +201,14 @@ def layouts(gpus: int, gpus_per_node: int, num_experts: int = 0) -> list[Layout]
         options += [Layout(f"FSDP x EP {ep} (09) + AC", gpus, checkpointing=True, ep=ep)]
     # Chapter 10: TP over each node's NVLink, and PP's stages (each over nodes / pp nodes, FSDP
     # across them) or CP's ring across the nodes.
+    # A mixture's experts: PP's stages over nodes, each stage's ranks shared by EP (as far as 8
+    # nodes: DeepSeek-V3's EP 64) and the experts' FSDP, the dense weights' FSDP over them all.
+    if num_experts and gpus > gpus_per_node and gpus % gpus_per_node == 0:
+        for pp in [2, 4, 8, 16]:
+            ep = math.gcd(gpus // pp, num_experts, 8 * gpus_per_node)
+            if nodes % pp == 0 and ep > 1:
+                name = f"FSDP x PP {pp} x EP {ep} (10) + AC"
+                options += [Layout(name, gpus, checkpointing=True, pp=pp, ep=ep)]
     tp = gpus_per_node
     if gpus > gpus_per_node and gpus % gpus_per_node == 0 and tp > 1 and not num_experts:
         for pp in [2, 4, 8, 16]:
