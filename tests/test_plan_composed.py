@@ -224,6 +224,22 @@ def test_composed_layouts_are_offered_on_several_nodes():
     assert [check(deepseek, layout, 8, 4096, batch_size=1) for layout in offered] == [None] * 4
 
 
+def test_the_layout_table_counts_what_crosses_the_nodes_on_the_busiest_stage(capsys):
+    """Its NIC column: the all-to-alls of an ep group wider than a node too (DeepSeek-V3 at PP 8 x EP
+    64: most of what crosses them), each stage's, the largest."""
+    from tools.plan import Layout, count, main, plan
+
+    argv = ["--nodes", "64", "--batch-size", "1", "--seq-length", "4096", "--activation-checkpointing"]
+    main([str(SHAPES / "deepseek-v3"), *argv])
+    row = next(line for line in capsys.readouterr().out.splitlines() if "FSDP x PP 8 x EP 64 (10)" in line)
+    deepseek = count(str(SHAPES / "deepseek-v3"))
+    layout = Layout("", 512, checkpointing=True, pp=8, ep=64)
+    stages = plan(deepseek, layout, 1, 4096, 2, False)["stages"]
+    nic = max(s["network_per_nic"] + s["network_cp"] + s["network_ep"] for s in stages)
+    assert all(s["network_ep"] > s["network_per_nic"] for s in stages[1:])
+    assert f"{nic / 2**30:8.1f} GiB  fits" in row, row
+
+
 def test_llama_405b_on_torchtitans_3d_layout(capsys):
     """Llama-3.1-405B (126 blocks) on 64 nodes of 8: pp 8 (stages of 16 blocks, the last two of 15),
     TP 8 in each node, FSDP over the 8 nodes of each stage (one GPU in each), full checkpointing,

@@ -255,7 +255,12 @@ def main(argv=None) -> None:
         r = plan(m, layout, args.batch_size, args.seq_length, compute_bytes, args.fp8, args.compile)
         fits = r["total"] <= usable
         fitting = fitting or (layout if fits else None)
-        rows.append((layout.name, r["total"], r["network_per_nic"] + r.get("network_cp", 0), fits))
+        # Through the busiest NIC of any stage: FSDP's, HSDP's, the stages', the ring's, EP's.
+        nic = max(
+            s["network_per_nic"] + s.get("network_cp", 0) + s.get("network_ep", 0)
+            for s in r.get("stages", [r])
+        )
+        rows.append((layout.name, r["total"], nic, fits))
     width = max([22, *(len(name) for name, *_ in rows)])
     for name, total, network, fits in rows:
         fit = "fits" if fits else "does not fit"
