@@ -38,12 +38,12 @@ from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
 import common
-import published  # beside this script (04's, carried by 05-10): published weights in and out
+from common import cpu_ring_attention  # the CPU's attention kernel on the ring (GPUs need none)
+from common import published  # published weights in and out, each rank its own slices
 
 # isort: split
-# The chapter's own modules, beside this script: what the ring can run (its refusals, the attention
-# function it calls), and the CPU's attention kernel on the ring (GPUs need none).
-import cpu_ring_attention
+# The chapter's own module, beside this script: what the ring can run (its refusals, the attention
+# function it calls).
 import ring
 
 logger = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
 import common
-import published  # beside this script (04's, carried by 05-10): published weights in and out
+from common import published  # published weights in and out, each rank its own slices
 
 # isort: split
 # The chapter's own module, beside this script: what each stage holds, and the refusals.

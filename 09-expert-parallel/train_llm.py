@@ -36,8 +36,8 @@ from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
 import common
+from common import published  # published weights in and out, each rank its own slices
 import experts
-import published  # beside this script (04's, carried by 05-10): published weights in and out
 
 logger = logging.getLogger(__name__)
 

@@ -42,14 +42,14 @@ from torch.utils.data.distributed import DistributedSampler
 from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
 import common
-import published  # beside this script (04's, carried by 05-10): published weights in and out
+from common import cpu_ring_attention  # the CPU's attention kernel on the ring (GPUs need none)
+from common import published  # published weights in and out, each rank its own slices
 import tp  # beside this script: the plan's checks, and other families' norms
 
 # isort: split
-# Beside this script too, carried unchanged from the chapters that teach them: 07's ring (and the
-# CPU's attention kernel on it), 08's stages (the cut), 09's experts (the dispatch). And this
-# chapter's own: the composed mesh, its checks, what crosses a stage's boundary (dims.py).
-import cpu_ring_attention
+# Beside this script too, from the chapters that teach them: 07's ring (carried unchanged), 08's
+# stages (the cut) and 09's experts (the dispatch), each grown by what composing needs (README: their
+# diffs). And this chapter's own: the layout, one grid of ranks and every group read from it (dims).
 import dims
 import experts
 import pipeline

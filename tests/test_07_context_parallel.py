@@ -181,8 +181,7 @@ def test_rows_that_need_an_attention_mask_are_refused():
 
 
 def test_the_cpu_attention_module_does_nothing_on_gpus():
-    load_chapter()  # puts the chapter's folder on sys.path, as running its script does
-    import cpu_ring_attention
+    from common import cpu_ring_attention
     from torch.distributed.tensor.experimental._context_parallel import _attention
 
     before = dict(_attention.custom_ops)

@@ -58,13 +58,14 @@ def functions() -> dict[tuple[Path, str], tuple[ast.AST, str]]:
 
 def resolve(path: Path, base: str | None, name: str) -> list[tuple[Path, str]]:
     """The functions a call may be: f() and self.f() of the same file (and a.b.f(): a method of
-    another class of the file), common.f() of common/, published.f() (pipeline.f(), ...) of the
-    chapter's module of that name."""
+    another class of the file), common.f() of common/, pipeline.f() (experts.f(), ...) of the
+    chapter's module of that name, published.f() of common/published.py."""
     if base in (None, "self", "?"):
         return [(path, name)]
     if base == "common":
         return [(module, name) for module in sorted((REPO / "common").glob("*.py"))]
-    return [(path.parent / f"{base}.py", name)]
+    beside = path.parent / f"{base}.py"
+    return [(beside if beside.exists() else REPO / "common" / f"{base}.py", name)]  # from common import x
 
 
 def primitive(base: str | None, name: str) -> bool:

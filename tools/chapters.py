@@ -1,11 +1,10 @@
 """A chapter's own module, for the tools that count or run what the chapters do.
 
 The planner follows the chapters' rules rather than copying them: which layers chapter 06 puts in
-FP8 (06-fp8/torchao_fp8.py), how chapter 08 cuts the stages (08-pipeline-parallel/pipeline.py), how
-large a file chapter 04's export writes (04-fsdp/published.py). Each is loaded from its file, by
-path, under a name of its own: no chapter folder stays on sys.path, where the modules that several
-chapters carry under one name (published.py in 04 to 09, tp.py in 05 and 06) would shadow each
-other.
+FP8 (06-fp8/torchao_fp8.py), how chapter 08 cuts the stages (08-pipeline-parallel/pipeline.py). Each
+is loaded from its file, by path, under a name of its own: no chapter folder stays on sys.path,
+where the modules that several chapters carry under one name (tp.py in 05, 06 and 10, pipeline.py
+in 08 and 10) would shadow each other.
 
     pipeline = chapter_module("08-pipeline-parallel", "pipeline")
     chapter = chapter_module("05-tensor-parallel")  # its train_llm.py

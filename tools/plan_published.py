@@ -1,11 +1,11 @@
-"""Published weights (chapters 04-09): what --from-pretrained reads and --export-hf writes on each
+"""Published weights (chapters 04-10): what --from-pretrained reads and --export-hf writes on each
 GPU and node, and what they hold meanwhile above the training state."""
 
-from tools.chapters import chapter_module
+from common import published
 from tools.plan_model import Layout, shard_ranks
 
-# The largest file --export-hf writes: chapter 04's rule (published.py, carried by 05 to 09).
-EXPORT_FILE_BYTES = chapter_module("04-fsdp", "published").EXPORT_FILE_BYTES
+# The largest file --export-hf writes: the chapters' rule (common/published.py, from chapter 04 on).
+EXPORT_FILE_BYTES = published.EXPORT_FILE_BYTES
 
 
 def export_files(m: dict) -> list[int]:

@@ -81,13 +81,10 @@ def install(path: str) -> None:
     torch.nn.Module.to_empty = fake_to_empty
     import torch.distributed.checkpoint as dcp
 
-    try:  # chapters 04-09's module beside the script (first on sys.path)
-        import published
-    except ImportError:  # chapters 01-03
-        published = None
-    if published is not None:
-        published.pretrained_weights = lambda model_name, config: Path(model_name)
-        published.build_buffers = lambda model: None
+    from common import published  # chapters 04-10's (01-03 do not import it)
+
+    published.pretrained_weights = lambda model_name, config: Path(model_name)
+    published.build_buffers = lambda model: None
     load = dcp.load
 
     def load_unless_published(state_dict, *args, storage_reader=None, **kwargs):

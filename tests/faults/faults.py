@@ -90,8 +90,8 @@ def kill_during_export() -> None:
 
 
 def when_imported(name: str, patch) -> None:
-    """Calls `patch(module)` once the chapter has imported its module `name` (published.py, beside
-    its script: not importable before the chapter puts its folder on the path)."""
+    """Calls `patch(module)` once the chapter has imported its module `name` (common.published, or
+    a module beside its script: not importable before the chapter puts its folder on the path)."""
     import importlib.abc
     import sys
 
@@ -146,12 +146,12 @@ def kill_during_export_publish(count: int) -> None:
         published.os = types.SimpleNamespace(**{**vars(os), "replace": step(os.replace)})
         published.shutil = types.SimpleNamespace(**{**vars(shutil), "rmtree": step(shutil.rmtree)})
 
-    when_imported("published", patch)
+    when_imported("common.published", patch)
 
 
 def no_rename_exchange() -> None:
     """A file system that cannot swap two folders (NFS): published.swap_folders always declines."""
-    when_imported("published", lambda published: setattr(published, "swap_folders", lambda a, b: False))
+    when_imported("common.published", lambda published: setattr(published, "swap_folders", lambda a, b: False))
 
 
 def slow_shard_writes(seconds: float) -> None:

@@ -1,7 +1,7 @@
-"""Published weights in and out, each rank its own slices (chapter 04, where no rank holds the whole
-model any more; chapters 05-10 carry this file unchanged): where a model's safetensors are, the
-names and dtypes transformers publishes, the buffers no file holds, and an export folder that every
-rank writes and that appears whole or not at all."""
+"""Published weights in and out, each rank its own slices, for the chapters where no rank holds the
+whole model (from FSDP on, every chapter imports this one file): where a model's safetensors are,
+the names and dtypes transformers publishes, the buffers no file holds, and an export folder that
+every rank writes and that appears whole or not at all."""
 
 import copy
 import ctypes
@@ -22,7 +22,7 @@ from huggingface_hub import snapshot_download
 from safetensors import safe_open
 from torch.distributed.checkpoint import CheckpointException, HuggingFaceStorageReader
 from torch.distributed.checkpoint import QuantizedHuggingFaceStorageReader
-# Private, checked on torch 2.11-2.14. If it moves: every chapter from 04 fails at import: import it
+# Private, checked on torch 2.11-2.14. If it moves: every sharded chapter fails at import: import it
 # from its new module, or export with HuggingFaceStorageWriter(enable_consolidation=True), which
 # merges on rank 0 alone.
 from torch.distributed.checkpoint._consolidate_hf_safetensors import (
@@ -117,7 +117,8 @@ def _conversions(model_type: str) -> tuple[list, list]:
         else:
             raise SystemExit(
                 f"error: --model-name: transformers converts {model_type}'s published weights in "
-                f"a way the chapters cannot name ({ops or sources}): start it from chapter 03"
+                f"a way the chapters cannot name ({ops or sources}): start it where every rank loads "
+                "the whole model (transformers' from_pretrained), without sharding"
             )
     return stacked, renames
 
@@ -159,7 +160,8 @@ def build_buffers(model: torch.nn.Module) -> None:
         if local.is_floating_point() and not local.isfinite().all():
             raise SystemExit(
                 f"error: --from-pretrained: transformers does not compute {name} of this model "
-                "on its own; start it without --from-pretrained, or from chapter 03"
+                "on its own; start it without --from-pretrained, or where every rank loads the whole "
+                "model (transformers' from_pretrained)"
             )
 
 

@@ -1,9 +1,9 @@
-"""CPU only, and not the lesson: context parallel's ring attention taught the CPU's SDPA kernel.
+"""CPU only, and no chapter's lesson: context parallel's ring attention taught the CPU's SDPA kernel.
 
 On GPUs, torch's context parallel maps SDPA's CUDA kernels (flash, efficient, cuDNN) to its ring
 attention itself, and this module does nothing. Its ring does not know the CPU's kernel,
 `aten._scaled_dot_product_flash_attention_for_cpu` ("does not have a sharding strategy registered"),
-so the chapter could not run, nor be tested, on a CPU. `register` hands that kernel and its backward
+so context parallel could not run, nor be tested, on a CPU. `register` hands that kernel and its backward
 to the same ring torch runs on GPUs (`_templated_ring_attention` and its backward): the same key/value
 rotation, the same load balancing, the same merge of the partial results by their logsumexp.
 
@@ -24,9 +24,9 @@ def register(device: torch.device) -> None:
     """Makes the CPU's SDPA kernel and its backward run as ring attention inside context_parallel."""
     if device.type != "cpu":
         return
-    # Private, checked on torch 2.11-2.14. If it moves: chapter 07 on a CPU (its tests, tools.memory
-    # --cp-size) fails at start, GPUs are unaffected: find the ring's new module, or run chapter 07
-    # on GPUs only.
+    # Private, checked on torch 2.11-2.14. If it moves: context parallel on a CPU (its tests,
+    # tools.memory --cp-size) fails at start, GPUs are unaffected: find the ring's new module, or
+    # run context parallel on GPUs only.
     global _attention
     from torch.distributed.tensor.experimental._context_parallel import _attention
 
@@ -36,8 +36,8 @@ def register(device: torch.device) -> None:
 
 def _local(op, args, kwargs):
     """The op's arguments by name, DTensors as their local shards, and the cp mesh they live on."""
-    # OpOverload's private _schema, checked on torch 2.11-2.14. If it moves: chapter 07 on a CPU
-    # fails at its first attention: write the two CPU kernels' argument names out in
+    # OpOverload's private _schema, checked on torch 2.11-2.14. If it moves: context parallel on a
+    # CPU fails at its first attention: write the two CPU kernels' argument names out in
     # cpu_ring_attention._local.
     named = {arg.name: value for arg, value in zip(op._schema.arguments, args)} | kwargs
     mesh = next(value.device_mesh for value in named.values() if isinstance(value, DTensor))
