@@ -1,13 +1,13 @@
 """Chapter 05's tensor-parallel helpers around its Llama plan (`apply_tp`): checks, and the norms other
-families add (chapter 06 carries the same file). `parallelize_module` only warns of a name it cannot
-find, and leaves a module it is not told about unsplit: `check_plan` refuses both, naming the modules."""
+families add. `parallelize_module` only warns of a name it cannot find, leaves a module it is not told
+about unsplit, and splits a width the ranks do not divide unevenly: `check_plan` refuses all three."""
 
 import logging
 import os
 
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,9 @@ def norm_plan(block, config) -> dict:
     return plan
 
 
-def check_plan(model, blocks, root_plan: dict, block_plan: dict) -> None:
+def check_plan(model, blocks, root_plan: dict, block_plan: dict, tp_size: int) -> None:
+    """Refuses a plan that names a module the model lacks, a module the plan does not know, or a
+    width it cannot split evenly over the tp ranks (the MLP's intermediate size, say)."""
     missing = [n for n in root_plan if not has_module(model, n)]
     missing += [n for n in block_plan if not has_module(blocks[0], n)]
     if missing:
@@ -65,6 +67,17 @@ def check_plan(model, blocks, root_plan: dict, block_plan: dict) -> None:
     unknown += [n for n, m in blocks[0].named_modules() if _weighs(m) and n not in block_plan]
     if unknown:
         raise SystemExit(f"error: --tp-size: apply_tp's plan does not know these modules of the model: {unknown}")
+    # A column-wise layer splits its outputs, a row-wise one its inputs (the vocabulary's split, the
+    # root's, may be uneven: DTensor's); a width they do not divide fails deep in DTensor's matmuls.
+    for name, style in block_plan.items():
+        dim = 0 if isinstance(style, ColwiseParallel) else 1 if isinstance(style, RowwiseParallel) else None
+        width = None if dim is None else blocks[0].get_submodule(name).weight.shape[dim]
+        if width and width % tp_size:
+            divisors = ", ".join(str(d) for d in range(1, tp_size) if width % d == 0)
+            raise SystemExit(
+                f"error: --tp-size {tp_size} must divide the {width} {('outputs', 'inputs')[dim]} of "
+                f"{name}, which tensor parallel splits: pass a divisor ({divisors})"
+            )
 
 
 class SplitNorm(ParallelStyle):

@@ -32,11 +32,12 @@ def check_batch(batch, cp_size):
         )
 
 
-def check_model(model, args):
-    """Refuses a model whose attention the ring cannot run, and has the others' attention called with no
-    mask. The ring replaces SDPA's causal kernels, whole rows only: no sliding window, no mask, no other
-    attention. HF builds a mask from position ids that jump (as a rank's head and tail chunks do, to
-    HF a row of packed documents); an attention function it has no mask function for gets none."""
+def use_ring_attention(model, args):
+    """Has the model's attention called with no mask, for the ring to run, or refuses, in one line, a
+    model whose attention the ring cannot run. The ring replaces SDPA's causal kernels, whole rows
+    only: no sliding window, no mask, no other attention. HF builds a mask from position ids that
+    jump (as a rank's head and tail chunks do, to HF a row of packed documents); an attention
+    function it has no mask function for gets none."""
     if args.cp_size == 1:
         return
     config, name = model.config, type(model).__name__

@@ -133,7 +133,7 @@ def main():
         common.checkpoint_blocks(common.transformer_blocks(model), args.activation_checkpointing)
     # Found once, now: fully_shard changes each block's class, and then the names would not match.
     blocks = common.transformer_blocks(model)
-    ring.check_model(model, args)
+    ring.use_ring_attention(model, args)
     parallelize(model, blocks, mesh, args, dtype, use_compile)
     model.to_empty(device="cpu" if args.cpu_offload else device)
     if weights:

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
-from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 # The schedules the chapter runs: one stage per rank (GPipe: all forwards, then all backwards; 1F1B: a
@@ -35,7 +34,7 @@ STAGES_PER_RANK = 2  # with the looped schedules: torchtitan's default (more: a 
 # Not GPT-2 (another layout, and position embeddings added to the input), Granite (its forward scales
 # the input embeddings, which a later stage would do again), nor tied embeddings across stages.
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma3_text"]
-FAMILIES += ["qwen2_moe", "qwen3_moe", "deepseek_v3"]  # mixtures of experts (chapter 09's experts in 10)
+FAMILIES += ["qwen2_moe", "qwen3_moe", "deepseek_v3"]  # mixtures of experts: their MoE blocks are blocks
 
 
 def check_layout(args, world_size: int, shard_size: int) -> None:
@@ -187,8 +186,7 @@ def shapes(args, config, dtype, stage: int, num_stages: int) -> dict:
 def send_buffers(model, full_model, device) -> None:
     """Every rank calls this (a broadcast per buffer): the buffers no state dict holds (rotary frequencies, an
     embedding's scale), sent from rank 0's full model (`full_model`, else None), which holds every stage's,
-    by its names, to the device (to_empty: maybe CPU); kept by the ranks whose stages hold them. Under TP
-    (chapter 10) some are DTensors, replicated over tp (Gemma's embedding scale): each tp rank keeps one."""
+    by its names, to the device (to_empty: maybe CPU); kept by the ranks whose stages hold them."""
     rank = dist.get_rank()
     saved = full_model.state_dict() if rank == 0 else {}
     names = [rank == 0 and [(n, b.shape, b.dtype) for n, b in full_model.named_buffers() if n not in saved]]
@@ -197,8 +195,6 @@ def send_buffers(model, full_model, device) -> None:
     for name, shape, dtype in names[0]:
         value = full_model.get_buffer(name).to(device) if rank == 0 else torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(value, src=0)
-        if isinstance(buffer := held.get(name), DTensor):
-            value = DTensor.from_local(value, buffer.device_mesh, buffer.placements, run_check=False)
         if name in held:
             module_name, _, buffer_name = name.rpartition(".")
             setattr(model.get_submodule(module_name), buffer_name, value)

@@ -3,7 +3,7 @@ mixture of experts and what --ep-size, the model and the balancing flags can tak
 line before anything is built), the experts split over the ep ranks and each token sent to its
 experts' ranks and back (apply_expert_parallel, dispatch), the gradient norm over two meshes, the
 experts' load, and the routing biases of DeepSeek-V3's balancing. The experts' mesh and their
-sharding are the chapter's (train_llm.py); chapter 10 carries this file unchanged.
+sharding are the chapter's (train_llm.py).
 
 The experts are Hugging Face's own, through the contract every MoE family follows in transformers 5
 (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, gpt-oss, GLM-4.5, ...): a module called as
@@ -288,10 +288,10 @@ def local_experts(experts_module, num_local):
         experts_module.num_experts = num_experts
 
 
-def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """Every rank calls this: torch's clip_grad_norm_, over gradients on two meshes (the dense one
     and the experts'), which it refuses ("must have the same mesh"): the norm of each mesh's
-    gradients, combined (and, with `pp_group`, over every pipeline stage's); then each scaled."""
+    gradients, combined; then each scaled."""
     by_mesh = {}
     for param in parameters:
         if param.grad is not None:
@@ -299,10 +299,6 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     grads = [[param.grad for param in params] for params in by_mesh.values()]
     norms = [torch.nn.utils.get_total_norm(mesh_grads).full_tensor() for mesh_grads in grads]
     total_norm = torch.linalg.vector_norm(torch.stack(norms))
-    if pp_group is not None:  # the other stages' gradients: their squares summed
-        total_norm = total_norm**2
-        dist.all_reduce(total_norm, group=pp_group)
-        total_norm = total_norm.sqrt()
     for params in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
     return total_norm
@@ -341,7 +337,7 @@ def track_load(model: nn.Module, layers: list[nn.Module], rate: float | None) ->
 
     rate = BIAS_UPDATE_RATE if rate is None else rate
     for index, (module, bias) in enumerate(zip(layers, routing_biases(model, layers))):
-        module.layer_index = index  # among the model's layers of experts (a stage holds some)
+        module.layer_index = index  # among the model's layers of experts
         module.register_forward_pre_hook(torch.compiler.disable(count))
         module.load, module.load_since_log = 0, 0
         module.routing_bias, module.bias_update_rate = bias if rate else None, rate
@@ -349,17 +345,14 @@ def track_load(model: nn.Module, layers: list[nn.Module], rate: float | None) ->
         logger.info(f"The routers' routing biases moved toward even loads by {rate} per step")
 
 
-def update_load(layers: list[nn.Module], group=None) -> None:
+def update_load(layers: list[nn.Module]) -> None:
     """Every rank calls this: after each optimizer step: the step's load (layers, experts) summed
-    over all ranks (each counted the tokens it sent; with pipeline stages, over `group`: the ranks
-    that hold the same layers), kept for the log line; and DeepSeek-V3's auxiliary-loss-free
-    balancing: each layer's routing bias moved toward even loads, up by the rate for the experts
-    below the mean load, down for those above (torchtitan's update: the sign of each one's deficit,
-    centred). Every rank moves it the same, from the same counts."""
-    if not layers:  # a stage with none: nor have the others of its group
-        return
+    over all ranks (each counted the tokens it sent), kept for the log line; and DeepSeek-V3's
+    auxiliary-loss-free balancing: each layer's routing bias moved toward even loads, up by the
+    rate for the experts below the mean load, down for those above (torchtitan's update: the sign
+    of each one's deficit, centred). Every rank moves it the same, from the same counts."""
     step_load = torch.stack([module.load for module in layers]).float()
-    dist.all_reduce(step_load, group=group)
+    dist.all_reduce(step_load)
     for module, load in zip(layers, step_load):
         module.load, module.load_since_log = 0, module.load_since_log + load
         if module.routing_bias:
@@ -374,21 +367,14 @@ def update_load(layers: list[nn.Module], group=None) -> None:
                 bias.add_(delta)
 
 
-def load_metrics(layers: list[nn.Module], pp_group=None) -> dict:
-    """Every rank calls this with `pp_group` (an all-gather of every stage's layers; none without):
-    each layer's tokens per expert since the last log, over all ranks: the busiest expert against
+def load_metrics(layers: list[nn.Module]) -> dict:
+    """Each layer's tokens per expert since the last log, over all ranks: the busiest expert against
     the mean, per layer and the worst. An expert twice as busy as the mean takes twice as long, and
     all ranks wait for it; summed by update_load, reset here."""
-    ratios = {}
-    if layers:  # a pipeline stage may hold none
-        counts = torch.stack([module.load_since_log for module in layers])  # (layers, experts)
-        busiest = (counts.max(dim=1).values / counts.mean(dim=1)).tolist()
-        ratios = {module.layer_index: ratio for module, ratio in zip(layers, busiest)}
+    counts = torch.stack([module.load_since_log for module in layers])  # (layers, experts)
+    busiest = (counts.max(dim=1).values / counts.mean(dim=1)).tolist()
+    ratios = {module.layer_index: ratio for module, ratio in zip(layers, busiest)}
     for module in layers:
         module.load_since_log = 0
-    if pp_group is not None:
-        every = [None] * pp_group.size()
-        dist.all_gather_object(every, ratios, group=pp_group)
-        ratios = {index: ratio for stage in every for index, ratio in stage.items()}
     per_layer = {f"experts/load_layer_{i}": ratios[i] for i in sorted(ratios)}
     return {"experts/load": max(ratios.values()), **per_layer}

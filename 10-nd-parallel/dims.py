@@ -1,37 +1,104 @@
-"""The composed layout beside chapter 10's script: its sizes checked, its meshes built, and what a
-pipeline stage sends when its layers are split over tp and its rows' tokens over cp.
+"""The composed layout beside chapter 10's script, in one object: one grid of ranks, from which its
+sizes, this rank's coordinates and every mesh and group each parallelism uses are read, as
+torchtitan's ParallelDims and picotron's process-group manager read theirs.
 
-The ranks are laid out (pp, dp, cp, tp), pp outermost and tp innermost, as torchtitan's ParallelDims
-lays them out: tp groups are consecutive ranks (a node's GPUs, on NVLink: TP waits for its
-collectives in every block), then cp (the ring's keys and values beside attention), then the dp
-ranks (FSDP's gathers, hidden behind compute; HSDP's replicas outermost of them), and pp across
-nodes (only activations cross a stage's boundary). The chapters' own checks (tp.py, ring.py,
-pipeline.py, experts.py) each know one dimension; these know them together.
+The grid lays the ranks out (pp, replicate, shard, cp, tp), pp outermost and tp innermost, as
+torchtitan lays them out: tp groups are consecutive ranks (a node's GPUs, on NVLink: TP waits for
+its collectives in every block), then cp (the ring's keys and values beside attention), then the
+dp ranks (FSDP's gathers, hidden behind compute; HSDP's replicas outermost of them), and pp across
+nodes (only activations cross a stage's boundary). The dp ranks are replicate x shard: HSDP's
+replicas of the weights, and in each the ranks that shard them (--shard-size; all dp ranks by
+default: FSDP). The chapters' own checks (tp.py, ring.py, pipeline.py, experts.py) each know one
+dimension; these know them together.
 
-A mixture of experts (chapter 09's experts.py) takes a second mesh over the same ranks, as
-torchtitan's does: in each stage, the ranks that shard or split the dense weights (dp_shard x cp x
-tp) regrouped into efsdp x ep, ep innermost. The experts are not split over tp (torchtitan dropped
-expert TP: each expert's matmuls would be tp times skinnier, the tokens all-to-all'd tp times);
-the tp ranks' tokens (sequence parallel's) go to the experts' ranks instead, each rank its own.
+A mixture of experts regroups the same grid, as torchtitan's does: in each stage, the ranks that
+shard or split the dense weights (shard x cp x tp) regrouped as efsdp x ep, ep innermost. The
+experts are not split over tp (torchtitan dropped expert TP: each expert's matmuls would be tp
+times skinnier, the tokens all-to-all'd tp times); the tp ranks' tokens (sequence parallel's) go
+to the experts' ranks instead, each rank its own.
 """
 
-import logging
-
-import common
-import experts
 import pipeline
 import ring
 import torch
 import torch.distributed as dist
 import tp
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInputOutput
-
-logger = logging.getLogger(__name__)
+from torch.distributed.device_mesh import DeviceMesh
 
 
-def check_layout(args, world_size: int) -> None:
+class ParallelDims:
+    """The layout of --pp-size, --shard-size, --cp-size, --tp-size and --ep-size over the job's
+    ranks, refused in one line, before anything is built, where the ranks, the rows or the tokens
+    cannot be laid out so; this rank's place in it; and, once build_meshes() has run, its meshes
+    and groups, every one read from the grid:
+
+        mesh          (pp, replicate, shard, tp): the weights'. Its shard dimension is the grid's
+                      shard x cp, the ranks that hold the same weights (chapter 07's): FSDP shards
+                      over it, HSDP replicates over replicate, TP splits over tp, the stages over pp
+        fsdp_mesh     FSDP's part of it: (replicate, shard), or (shard) without HSDP
+        cp_mesh       the ring's: the ranks that differ in cp alone
+        expert_mesh   for a mixture of experts, (pp, replicate, efsdp, ep)
+        stage_group   with stages and experts, the ranks of this rank's stage
+    """
+
+    def __init__(self, args, world_size: int, rank: int):
+        check_sizes(args, world_size)
+        self.pp, self.cp, self.tp, self.ep = args.pp_size, args.cp_size, args.tp_size, args.ep_size
+        self.dp = world_size // (self.pp * self.cp * self.tp)  # the ranks that train other rows
+        self.shard = args.shard_size or self.dp
+        tp.check_layout(args, world_size, self.shard)  # its warning: a tp group across nodes
+        self.replicate = self.dp // self.shard
+        self.grid = torch.arange(world_size).view(self.pp, self.replicate, self.shard, self.cp, self.tp)
+        self.pp_rank, replicate_rank, shard_rank, self.cp_rank, self.tp_rank = (self.grid == rank).nonzero()[0].tolist()
+        self.dp_rank = replicate_rank * self.shard + shard_rank
+        self.device = self.mesh = self.fsdp_mesh = self.cp_mesh = self.expert_mesh = self.stage_group = None
+
+    def build_meshes(self, device: torch.device, experts: bool) -> None:
+        """Every rank calls this (it makes the process groups): the weights' mesh over the grid, the
+        ring's cp groups, made on their own (a mesh with a cp dimension would make its pp, dp and tp
+        groups again), and for a mixture of experts (`experts`) the experts' mesh and each stage's
+        group (the experts' load is summed over the ranks that hold the same layers). `device`: the
+        one this rank computes on, which the step and evaluation move their rows to."""
+        self.device, device_type = device, device.type
+        weights = self.grid.flatten(2, 3)  # (pp, replicate, shard x cp, tp)
+        self.mesh = DeviceMesh(device_type, weights, mesh_dim_names=("pp", "replicate", "shard", "tp"))
+        self.fsdp_mesh = self.mesh["replicate", "shard"] if self.replicate > 1 else self.mesh["shard"]
+        cp_groups = self.grid.movedim(3, -1).reshape(-1, self.cp)
+        cp_group, _ = dist.new_subgroups_by_enumeration(cp_groups.tolist())
+        self.cp_mesh = DeviceMesh.from_group(cp_group, device_type, mesh_dim_names=("cp",))
+        if not experts:
+            return
+        # In each stage, shard x cp x tp as efsdp x ep: consecutive ranks, a node's GPUs, make an ep
+        # group, so that the all-to-alls of every block cross NVLink, not the network.
+        regrouped = self.grid.reshape(self.pp, self.replicate, -1, self.ep)
+        names = ("pp", "replicate", "efsdp", "ep")
+        self.expert_mesh = DeviceMesh(device_type, regrouped, mesh_dim_names=names)
+        if self.pp > 1:
+            stages = self.grid.reshape(self.pp, -1).tolist()
+            self.stage_group = dist.new_subgroups_by_enumeration(stages)[0]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def pp_group(self):
+        return self.mesh["pp"].get_group()
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """FSDP's part of the experts' mesh: (replicate, efsdp), or (efsdp) without HSDP; None for a
+        dense model."""
+        if self.expert_mesh is None:
+            return None
+        return self.expert_mesh["replicate", "efsdp"] if self.replicate > 1 else self.expert_mesh["efsdp"]
+
+    def __str__(self) -> str:
+        hsdp = f" (replicate {self.replicate} x shard {self.shard})" if self.replicate > 1 else ""
+        return f"pp {self.pp} x dp {self.dp}{hsdp} x cp {self.cp} x tp {self.tp}, ep {self.ep}"
+
+
+def check_sizes(args, world_size: int) -> None:
     """Refuses, in one line and before anything is built, sizes the ranks, the rows or the tokens
     cannot be laid out by: the chapters' own checks of each dimension (ring.py, pipeline.py), and
     these of the dimensions together."""
@@ -67,154 +134,3 @@ def check_layout(args, world_size: int) -> None:
             "split a stage's weights (--shard-size x --cp-size x --tp-size): pass one of "
             f"{', '.join(map(str, divisors))}"
         )
-
-
-def check_model(model, blocks, args) -> None:
-    """Refuses, in one line, a model the ring or the stages cannot take (ring.py, pipeline.py), and
-    has its attention run by the ring: set before the stages' modules copy its config."""
-    ring.check_model(model, args)
-    if args.pp_size > 1:
-        pipeline.check_model(model, blocks, args)
-
-
-def check_experts(model, args, dtype) -> list:
-    """The model's experts modules, all of them (none: a dense model), refused in one line where
-    chapter 09 refuses them; their load tracked, before the cut: each knows its index in the whole
-    model. The routers' balancing loss is HF's, over every block's router logits of a row at once,
-    which the stages, cp and tp split over ranks: a config that asks for it is refused."""
-    layers = common.experts_modules(model)
-    flag = f"--model-name {model.config.name_or_path!r}"
-    if not layers and args.ep_size > 1:
-        raise SystemExit(f"error: --ep-size {args.ep_size}: {flag} is dense; pass --ep-size 1")
-    if getattr(model.config.get_text_config(), "output_router_logits", False):
-        raise SystemExit(
-            f"error: {flag}'s config asks for the routers' balancing loss (output_router_logits), "
-            "which HF computes over all of a row's router logits at once: this chapter cuts them "
-            "over ranks; set it false in config.json (its routing biases: --bias-update-rate), or "
-            "train with chapter 09"
-        )
-    if layers:
-        experts.check_model(model, args, dtype)
-        experts.track_load(model, layers, args.bias_update_rate)
-    return layers
-
-
-def build_meshes(device_type: str, args, world_size: int) -> tuple[DeviceMesh, DeviceMesh]:
-    """Every rank calls this (it makes the process groups). The mesh of the weights: (pp,
-    replicate, shard, tp), where shard is the dp ranks that shard each tensor and the cp ranks
-    beside them, which hold the same weights (chapter 07): FSDP shards over dp_shard x cp, HSDP
-    replicates over the rest of dp, TP splits over tp, stages over pp. The cp mesh, the ring's:
-    groups of the ranks that differ in cp alone, made on their own (a second init_device_mesh would
-    make its pp, dp and tp groups again)."""
-    dp_size = world_size // (args.pp_size * args.cp_size * args.tp_size)
-    shard_size = args.shard_size or dp_size
-    tp.check_layout(args, world_size, shard_size)  # its warning: a tp group across nodes
-    shape = (args.pp_size, dp_size // shard_size, shard_size * args.cp_size, args.tp_size)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "replicate", "shard", "tp"))
-    layout = torch.arange(world_size).view(-1, args.cp_size, args.tp_size).transpose(1, 2)
-    cp_group, _ = dist.new_subgroups_by_enumeration(layout.reshape(-1, args.cp_size).tolist())
-    return mesh, DeviceMesh.from_group(cp_group, device_type, mesh_dim_names=("cp",))
-
-
-def build_expert_meshes(device_type: str, args, mesh: DeviceMesh, moe: list) -> tuple:
-    """Every rank calls this (it makes the process groups): for a mixture of experts (`moe`), the
-    experts' mesh, (pp, replicate, efsdp, ep) over the ranks of the weights' mesh, ep innermost
-    (consecutive ranks, a node's GPUs: the all-to-alls of every block cross NVLink, not the
-    network); and each stage's ranks as one group (the experts' load is summed over those that
-    hold the same layers). None and None for a dense model."""
-    if not moe:
-        return None, None
-    pp_size, replicate, shard, tp_size = mesh.shape
-    shape = (pp_size, replicate, shard * tp_size // args.ep_size, args.ep_size)
-    names = ("pp", "replicate", "efsdp", "ep")
-    expert_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    per_stage = mesh.size() // pp_size
-    stages = [list(range(stage * per_stage, (stage + 1) * per_stage)) for stage in range(pp_size)]
-    stage_group = dist.new_subgroups_by_enumeration(stages)[0] if pp_size > 1 else None
-    return expert_mesh, stage_group
-
-
-def stage_boundaries(stage_module, tp_mesh: DeviceMesh) -> None:
-    """A stage's inputs and outputs as PipelineStage sends them, plain tensors, under TP: the
-    hidden states this rank holds of the tokens (sequence parallel: 1/tp of them) leave as they
-    are and arrive as the DTensor that chapter 05's blocks take (whose shape HF reads as the whole
-    row's); the logits leave as this rank's part of the vocabulary (loss_parallel's)."""
-    forward = stage_module.forward
-
-    def forward_on_plain_tensors(inputs, **kwargs):
-        if inputs.is_floating_point():  # the hidden states, from the stage before
-            inputs = DTensor.from_local(inputs, tp_mesh, [Shard(1)], run_check=False)
-        output = forward(inputs, **kwargs)
-        return output.to_local() if isinstance(output, DTensor) else output
-
-    stage_module.forward = forward_on_plain_tensors
-
-
-def stage_shapes(args, config, dtype, stage: int, num_stages: int, tp_rank: int) -> dict:
-    """The stage's input and output per micro-batch, on this rank, given to PipelineStage so that
-    it need not find them by running a first micro-batch: a pipeline's rows (--pp-size x
-    --batch-size, chapter 08's) cut into micro-batches, each row's tokens cut over cp, the hidden
-    states over tp (sequence parallel), the logits' vocabulary over tp (unevenly: torch.chunk's)."""
-    rows = args.pp_size * args.batch_size // pipeline.microbatch_count(args)
-    tokens = args.seq_length // args.cp_size
-    vocab = len(torch.arange(config.vocab_size).chunk(args.tp_size)[tp_rank])
-    with torch.device("meta"):  # the hidden states need gradients: the stages send those back
-        hidden = torch.empty(rows, tokens // args.tp_size, config.hidden_size, dtype=dtype)
-        hidden.requires_grad_()
-        ids = torch.empty(rows, tokens, dtype=torch.long)
-        logits = torch.empty(rows, tokens, vocab, dtype=dtype, requires_grad=True)
-    last = stage == num_stages - 1
-    return {"input_args": ids if stage == 0 else hidden, "output_args": logits if last else hidden}
-
-
-def experts_tp_plan(model, block, blocks, root_plan: dict, block_plan: dict) -> dict:
-    """A block's TP plan, checked (tp.py: it names every module of the block): chapter 05's for a
-    dense block; for one whose MLP is a mixture of experts, attention and norms as 05's, and the
-    MoE block on this rank's tokens (sequence parallel's 1/tp of them, neither gathered nor
-    scattered): its router and shared experts whole on each tp rank (their gradients summed over
-    tp: reduce_expert_grads), its experts on their ep ranks (apply_expert_parallel)."""
-    if not common.experts_modules(block):
-        tp.check_plan(model, [block, *blocks], root_plan, block_plan)  # this block's modules
-        return block_plan
-    plan = {name: style for name, style in block_plan.items() if not name.startswith("mlp")}
-    plan["mlp"] = PrepareModuleInputOutput(
-        input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
-        output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False,
-    )  # fmt: skip
-    mlp = block.get_submodule("mlp")
-    whole = {f"mlp.{n}": None for n, part in mlp.named_modules() if list(part.parameters(False))}
-    tp.check_plan(model, [block, *blocks], root_plan, plan | whole)  # this block's modules
-    return plan
-
-
-def compilable(block, args) -> bool:
-    """Whether torch.compile can take the block: not a MoE block under TP. On torch 2.13 its graphs,
-    which stop at the dispatch, fail once evaluation calls them ("'Tensor' object has no attribute
-    'elem'": AOT autograd's wrapper expects the AsyncCollectiveTensor that TP's collectives left in
-    the hidden states it traced), and its attention compiled alone fails to find TP's group: such a
-    block runs eager, said once."""
-    moe_under_tp = bool(common.experts_modules(block)) and args.tp_size > 1
-    if moe_under_tp and not getattr(compilable, "said", False):
-        compilable.said = True
-        logger.info("--compile: the blocks of experts under --tp-size run eager (dims.compilable)")
-    return not moe_under_tp
-
-
-def reduce_expert_grads(model, moe_layers: list, mesh: DeviceMesh, args) -> None:
-    """Every rank calls this (all-reduces over tp), after backward: the gradients of a mixture of
-    experts' parts that each tp rank keeps whole (router, shared experts), each from its own tokens,
-    summed over tp, as DTensor sums a sequence-parallel norm's; the experts', which the tokens of
-    the ep ranks summed into and FSDP averaged over efsdp (dp_shard x cp x tp / ep ranks), times tp
-    / ep: both then the mean over the dp ranks, as the dense gradients are (FSDP's over dp_shard x
-    cp, TP's sum over tp)."""
-    experts_params = {param for layer in moe_layers for param in layer.parameters()}
-    for param in experts_params:
-        param.grad.mul_(args.tp_size / args.ep_size)
-    if args.tp_size == 1:
-        return
-    parents = {module: name.rpartition(".")[0] for name, module in model.named_modules()}
-    tp_group = mesh["tp"].get_group()
-    for layer in moe_layers:
-        for param in model.get_submodule(parents[layer]).parameters():
-            if param not in experts_params:  # FSDP's shard of it: the same on every tp rank
-                dist.all_reduce(param.grad.to_local(), group=tp_group)

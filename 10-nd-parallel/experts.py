@@ -1,9 +1,13 @@
-"""The checks and the bookkeeping around expert parallelism, beside the chapter: which layers are a
-mixture of experts and what --ep-size, the model and the balancing flags can take (refused in one
-line before anything is built), the experts split over the ep ranks and each token sent to its
-experts' ranks and back (apply_expert_parallel, dispatch), the gradient norm over two meshes, the
-experts' load, and the routing biases of DeepSeek-V3's balancing. The experts' mesh and their
-sharding are the chapter's (train_llm.py); chapter 10 carries this file unchanged.
+"""Chapter 09's experts.py, grown by what the composed mesh asks of it (its diff from 09's is in
+this chapter's README): the model's experts checked against the layout, the gradient norm and the
+experts' load over every pipeline stage, and the experts under TP (each tp rank routing its own
+tokens: the blocks that hold them run eager, the gradients of what every tp rank keeps whole
+summed over tp). Below, 09's words: the checks and the bookkeeping around expert parallelism,
+which layers are a mixture of experts and what the model and the balancing flags can take
+(refused in one line before anything is built), the experts split over the ep ranks and each
+token sent to its experts' ranks and back (apply_expert_parallel, dispatch), the gradient norm
+over two meshes, the experts' load, and the routing biases of DeepSeek-V3's balancing. The experts'
+mesh is the chapter's (dims.py), their sharding too (train_llm.py).
 
 The experts are Hugging Face's own, through the contract every MoE family follows in transformers 5
 (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, gpt-oss, GLM-4.5, ...): a module called as
@@ -32,7 +36,6 @@ import torch.distributed._functional_collectives as funcol
 import transformers
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from transformers import AutoModelForCausalLM
 
 import common
 
@@ -57,22 +60,23 @@ ROUTING_BIASES = ("e_score_correction_bias", "expert_bias")
 MAX_AUX_LOSS_COEF = 1.0
 
 
-def check_layout(args, world_size: int, shard_size: int) -> None:
-    """Refuses an --ep-size that the ranks cannot take (the experts' count: with the model)."""
-    if shard_size % args.ep_size:
-        which = "--shard-size" if shard_size != world_size else "all ranks"
-        divisor = max(d for d in range(1, args.ep_size) if shard_size % d == 0)
+def check_composed(model: nn.Module, args, dtype: torch.dtype) -> list[nn.Module]:
+    """The model's experts modules, all of them (none: a dense model), refused in one line where
+    chapter 09 refuses them. The routers' balancing loss is HF's, over every block's router logits
+    of a row at once, which the stages, cp and tp split over ranks: a config that asks for it is
+    refused."""
+    layers = common.experts_modules(model)
+    flag = f"--model-name {model.config.name_or_path!r}"
+    if not layers and args.ep_size > 1:
+        raise SystemExit(f"error: --ep-size {args.ep_size}: {flag} is dense; pass --ep-size 1")
+    if getattr(model.config.get_text_config(), "output_router_logits", False):
         raise SystemExit(
-            f"error: --ep-size {args.ep_size} must divide the ranks that shard the model "
-            f"({shard_size}: {which}): pass a divisor, such as {divisor}"
+            f"error: {flag}'s config asks for the routers' balancing loss (output_router_logits), "
+            "which HF computes over all of a row's router logits at once: this chapter cuts them "
+            "over ranks; set it false in config.json (its routing biases: --bias-update-rate), or "
+            "train with chapter 09"
         )
-
-
-def check_config(config, args, dtype: torch.dtype) -> None:
-    """What expert parallelism and the balancing flags cannot take, refused in one line before
-    anything is built or loaded: the model's structure read from the config, on the meta device."""
-    with torch.device("meta"):
-        check_model(AutoModelForCausalLM.from_config(config), args, dtype)
+    return check_model(model, args, dtype) if layers else []
 
 
 def check_model(model: nn.Module, args, dtype: torch.dtype) -> list[nn.Module]:
@@ -196,23 +200,6 @@ def check_balancing(model: nn.Module, args, flag: str) -> None:
         )
 
 
-def set_balancing_loss(config, args) -> None:
-    """The routers' load-balancing loss (Switch Transformer's: experts' token shares times their
-    mean router probabilities), which HF adds to the loss, times --aux-loss-coef (default: the
-    config's), only when the config asks for the router logits. Published configs (Qwen3-MoE's,
-    Mixtral's) do not, as HF's Trainer trains them; chapter 04 follows the config. Here it is on: a
-    router left alone may send most tokens to a few experts, and under EP their ranks then set
-    everyone's pace. Its logits are collected by hooks that dynamo cannot trace inside a block,
-    which chapter 04 compiles whole and this chapter does not. A family whose forward computes no
-    such loss (DeepSeek-V3: no router_aux_loss_coef) keeps it off (check_balancing)."""
-    config = config.get_text_config()
-    coef = args.aux_loss_coef
-    if coef is None:
-        coef = getattr(config, "router_aux_loss_coef", 0.0)
-    if hasattr(config, "router_aux_loss_coef"):
-        config.output_router_logits, config.router_aux_loss_coef = coef > 0, coef
-
-
 def apply_expert_parallel(moe_layers, ep_mesh):
     """Each layer's experts split over the ep ranks: every weight's dim 0 (experts) a DTensor
     sharded on the ep mesh, so that checkpoints keep chapter 04's names and full shapes. The
@@ -288,21 +275,19 @@ def local_experts(experts_module, num_local):
         experts_module.num_experts = num_experts
 
 
-def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, pp_group) -> torch.Tensor:
     """Every rank calls this: torch's clip_grad_norm_, over gradients on two meshes (the dense one
     and the experts'), which it refuses ("must have the same mesh"): the norm of each mesh's
-    gradients, combined (and, with `pp_group`, over every pipeline stage's); then each scaled."""
+    gradients, combined, and over every pipeline stage's (`pp_group`); then each scaled."""
     by_mesh = {}
     for param in parameters:
         if param.grad is not None:
             by_mesh.setdefault(param.grad.device_mesh, []).append(param)
     grads = [[param.grad for param in params] for params in by_mesh.values()]
     norms = [torch.nn.utils.get_total_norm(mesh_grads).full_tensor() for mesh_grads in grads]
-    total_norm = torch.linalg.vector_norm(torch.stack(norms))
-    if pp_group is not None:  # the other stages' gradients: their squares summed
-        total_norm = total_norm**2
-        dist.all_reduce(total_norm, group=pp_group)
-        total_norm = total_norm.sqrt()
+    total_norm = torch.linalg.vector_norm(torch.stack(norms)) ** 2
+    dist.all_reduce(total_norm, group=pp_group)  # the other stages' gradients: their squares summed
+    total_norm = total_norm.sqrt()
     for params in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
     return total_norm
@@ -374,11 +359,11 @@ def update_load(layers: list[nn.Module], group=None) -> None:
                 bias.add_(delta)
 
 
-def load_metrics(layers: list[nn.Module], pp_group=None) -> dict:
-    """Every rank calls this with `pp_group` (an all-gather of every stage's layers; none without):
-    each layer's tokens per expert since the last log, over all ranks: the busiest expert against
-    the mean, per layer and the worst. An expert twice as busy as the mean takes twice as long, and
-    all ranks wait for it; summed by update_load, reset here."""
+def load_metrics(layers: list[nn.Module], pp_group) -> dict:
+    """Every rank calls this (an all-gather of every stage's layers over `pp_group`): each layer's
+    tokens per expert since the last log, over all ranks: the busiest expert against the mean, per
+    layer and the worst. An expert twice as busy as the mean takes twice as long, and all ranks
+    wait for it; summed by update_load, reset here."""
     ratios = {}
     if layers:  # a pipeline stage may hold none
         counts = torch.stack([module.load_since_log for module in layers])  # (layers, experts)
@@ -386,9 +371,40 @@ def load_metrics(layers: list[nn.Module], pp_group=None) -> dict:
         ratios = {module.layer_index: ratio for module, ratio in zip(layers, busiest)}
     for module in layers:
         module.load_since_log = 0
-    if pp_group is not None:
-        every = [None] * pp_group.size()
-        dist.all_gather_object(every, ratios, group=pp_group)
-        ratios = {index: ratio for stage in every for index, ratio in stage.items()}
+    every = [None] * pp_group.size()
+    dist.all_gather_object(every, ratios, group=pp_group)
+    ratios = {index: ratio for stage in every for index, ratio in stage.items()}
     per_layer = {f"experts/load_layer_{i}": ratios[i] for i in sorted(ratios)}
     return {"experts/load": max(ratios.values()), **per_layer}
+
+
+def compilable(block, args) -> bool:
+    """Whether torch.compile can take the block: not a MoE block under TP. On torch 2.13 its graphs,
+    which stop at the dispatch, fail once evaluation calls them ("'Tensor' object has no attribute
+    'elem'": AOT autograd's wrapper expects the AsyncCollectiveTensor that TP's collectives left in
+    the hidden states it traced), and its attention compiled alone fails to find TP's group: such a
+    block runs eager, said once."""
+    moe_under_tp = bool(common.experts_modules(block)) and args.tp_size > 1
+    if moe_under_tp and not getattr(compilable, "said", False):
+        compilable.said = True
+        logger.info("--compile: the blocks of experts under --tp-size run eager (experts.compilable)")
+    return not moe_under_tp
+
+
+def reduce_expert_grads(model, moe_layers: list, dims) -> None:
+    """Every rank calls this (all-reduces over tp), after backward: the gradients of a mixture of
+    experts' parts that each tp rank keeps whole (router, shared experts), each from its own tokens,
+    summed over tp, as DTensor sums a sequence-parallel norm's; the experts', which the tokens of
+    the ep ranks summed into and FSDP averaged over efsdp (dp_shard x cp x tp / ep ranks), times tp
+    / ep: both then the mean over the dp ranks, as the dense gradients are (FSDP's over dp_shard x
+    cp, TP's sum over tp)."""
+    experts_params = {param for layer in moe_layers for param in layer.parameters()}
+    for param in experts_params:
+        param.grad.mul_(dims.tp / dims.ep)
+    if dims.tp == 1:
+        return
+    parents = {module: name.rpartition(".")[0] for name, module in model.named_modules()}
+    for layer in moe_layers:
+        for param in model.get_submodule(parents[layer]).parameters():
+            if param not in experts_params:  # FSDP's shard of it: the same on every tp rank
+                dist.all_reduce(param.grad.to_local(), group=dims.tp_mesh.get_group())

@@ -1,4 +1,8 @@
-"""The model cut into pipeline stages: which blocks each stage holds, each stage's module, the checks
+"""Chapter 08's pipeline.py, grown by what the composed mesh sends between stages (its diff from 08's is
+in this chapter's README): the stages' shapes with each row's tokens cut over cp and the hidden states
+over tp, and plain tensors across a stage's boundary under TP. Below, 08's words.
+
+The model cut into pipeline stages: which blocks each stage holds, each stage's module, the checks
 that refuse what the cut cannot take, and the norm of all stages' gradients. The schedule, the stages' sends and receives and FSDP's part in them
 are PyTorch's (torch.distributed.pipelining); this module only says what a stage is for a Hugging Face
 causal LM, as torchtitan's pipeline_module_split does for its own models.
@@ -18,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoModelForCausalLM
 
 # The schedules the chapter runs: one stage per rank (GPipe: all forwards, then all backwards; 1F1B: a
@@ -35,7 +39,7 @@ STAGES_PER_RANK = 2  # with the looped schedules: torchtitan's default (more: a 
 # Not GPT-2 (another layout, and position embeddings added to the input), Granite (its forward scales
 # the input embeddings, which a later stage would do again), nor tied embeddings across stages.
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma3_text"]
-FAMILIES += ["qwen2_moe", "qwen3_moe", "deepseek_v3"]  # mixtures of experts (chapter 09's experts in 10)
+FAMILIES += ["qwen2_moe", "qwen3_moe", "deepseek_v3"]  # mixtures of experts: their MoE blocks are blocks
 
 
 def check_layout(args, world_size: int, shard_size: int) -> None:
@@ -173,22 +177,41 @@ def _stage_forward(part, first: bool, last: bool):
     return forward
 
 
-def shapes(args, config, dtype, stage: int, num_stages: int) -> dict:
+def shapes(args, config, dtype, stage: int, num_stages: int, tp_rank: int) -> dict:
     """The stage's input and output per micro-batch, given to PipelineStage so that it need not find them
-    by running a forward and backward (through FSDP) first."""
+    by running a forward and backward (through FSDP) first: each row's tokens cut over cp, the hidden
+    states over tp (sequence parallel), the logits' vocabulary over tp (unevenly: torch.chunk's)."""
     rows = args.pp_size * args.batch_size // microbatch_count(args)
+    tokens = args.seq_length // args.cp_size
+    vocab = len(torch.arange(config.vocab_size).chunk(args.tp_size)[tp_rank])
     with torch.device("meta"):  # the hidden states need gradients: those are what the stages send back
-        hidden = torch.empty(rows, args.seq_length, config.hidden_size, dtype=dtype, requires_grad=True)
-        ids = torch.empty(rows, args.seq_length, dtype=torch.long)
-        logits = torch.empty(rows, args.seq_length, config.vocab_size, dtype=dtype, requires_grad=True)
+        hidden = torch.empty(rows, tokens // args.tp_size, config.hidden_size, dtype=dtype, requires_grad=True)
+        ids = torch.empty(rows, tokens, dtype=torch.long)
+        logits = torch.empty(rows, tokens, vocab, dtype=dtype, requires_grad=True)
     return {"input_args": ids if stage == 0 else hidden, "output_args": logits if stage == num_stages - 1 else hidden}
+
+
+def send_plain_tensors(stage_module, tp_mesh) -> None:
+    """A stage's inputs and outputs as PipelineStage sends them, plain tensors, under TP: the
+    hidden states this rank holds of the tokens (sequence parallel: 1/tp of them) leave as they
+    are and arrive as the DTensor that chapter 05's blocks take (whose shape HF reads as the whole
+    row's); the logits leave as this rank's part of the vocabulary (loss_parallel's)."""
+    forward = stage_module.forward
+
+    def forward_on_plain_tensors(inputs, **kwargs):
+        if inputs.is_floating_point():  # the hidden states, from the stage before
+            inputs = DTensor.from_local(inputs, tp_mesh, [Shard(1)], run_check=False)
+        output = forward(inputs, **kwargs)
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    stage_module.forward = forward_on_plain_tensors
 
 
 def send_buffers(model, full_model, device) -> None:
     """Every rank calls this (a broadcast per buffer): the buffers no state dict holds (rotary frequencies, an
     embedding's scale), sent from rank 0's full model (`full_model`, else None), which holds every stage's,
     by its names, to the device (to_empty: maybe CPU); kept by the ranks whose stages hold them. Under TP
-    (chapter 10) some are DTensors, replicated over tp (Gemma's embedding scale): each tp rank keeps one."""
+    some are DTensors, replicated over tp (Gemma's embedding scale): each tp rank keeps one."""
     rank = dist.get_rank()
     saved = full_model.state_dict() if rank == 0 else {}
     names = [rank == 0 and [(n, b.shape, b.dtype) for n, b in full_model.named_buffers() if n not in saved]]

@@ -50,10 +50,10 @@ import tp  # beside this script: the plan's checks, and other families' norms
 # Beside this script too, from the chapters that teach them: 07's ring (carried unchanged), 08's
 # stages (the cut) and 09's experts (the dispatch), each grown by what composing needs (README: their
 # diffs). And this chapter's own: the layout, one grid of ranks and every group read from it (dims).
-import dims
 import experts
 import pipeline
 import ring
+from dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +68,11 @@ def main():
         raise SystemExit(f"error: start this chapter with torchrun --standalone --nproc-per-node 2 {__file__}")
     # torchrun starts one process per GPU and tells each who it is.
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    dims.check_layout(args, world_size)  # sizes whose product divides the ranks; rows, tokens
-    # Each pp x cp x tp group of ranks trains on the rows of one dp rank, together: pp outermost
-    # (its stages are dp x cp x tp ranks apart), tp innermost (consecutive ranks).
-    dp_size = world_size // (args.pp_size * args.cp_size * args.tp_size)
-    dp_rank = rank // (args.cp_size * args.tp_size) % dp_size
+    # Each pp x cp x tp group of ranks trains on the rows of one dp rank, together. The layout is
+    # one grid of ranks, every size, coordinate and group read from it (dims.py); sizes the ranks,
+    # the rows or the tokens cannot take are refused in one line.
+    dims = ParallelDims(args, world_size, rank)
+    dp_size, dp_rank = dims.dp, dims.dp_rank
     # Rank 0 speaks for the job; the others only report warnings and errors.
     prefix = f"[{socket.gethostname()} rank={rank}] "  # its host: rank order ignores any host list
     common.setup_logging(prefix=prefix, level=logging.INFO if rank == 0 else logging.WARNING)
@@ -88,12 +88,8 @@ def main():
     # fp32 weights and optimizer state; matmuls in bf16 on GPU, fp32 on CPU.
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     # FSDP's mixed precision casts the weights for the matmuls itself: no autocast.
-    autocast = functools.partial(torch.autocast, device.type, enabled=False)
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
-    # Four dimensions, pp outermost: stages across nodes, between which only activations pass;
-    # in each, chapter 05's (replicate, shard, tp), whose shard dimension holds the cp ranks too
-    # (they hold the same weights, as in 07). And the ring's cp groups, on their own (dims.py).
-    mesh, cp_mesh = dims.build_meshes(device.type, args, world_size)
+    tp.check_layout(args, world_size, dims.shard)  # its warning: a tp group across nodes
     cpu_ring_attention.register(device)
 
     # --- 2. Config and tokenizer ---
@@ -141,20 +137,19 @@ def main():
         common.checkpoint_blocks(common.transformer_blocks(model), args.activation_checkpointing)
     # Found once, now: fully_shard changes each block's class, and then the names would not match.
     blocks = common.transformer_blocks(model)
-    # What the ring and the stages cannot take, refused; the attention the ring runs set (the
-    # stages' modules copy the config).
-    dims.check_model(model, blocks, args)
-    # A mixture of experts: 09's checks, its load tracked; the experts' mesh over the same ranks.
-    all_experts = dims.check_experts(model, args, dtype)
-    expert_mesh, stage_group = dims.build_expert_meshes(device.type, args, mesh, all_experts)
+    all_experts = prepare_model(model, blocks, args, dtype)  # the ring's attention, 08's, 09's checks
+    # Four dimensions, pp outermost: stages across nodes, between which only activations pass;
+    # in each, chapter 05's (replicate, shard, tp), whose shard dimension holds the cp ranks too
+    # (they hold the same weights, as in 07); the ring's cp groups; the experts' (dims.py).
+    dims.build_meshes(device, experts=bool(all_experts))
     flops_per_token = common.flops_per_token(model, config, args.seq_length)  # the whole model's
     # The order that works (torchtitan's): the cut into this rank's stages first, then TP on what
     # the stages hold, compile, FSDP for each stage last. Each stage is its own FSDP root.
-    num_stages, stage_ids = pipeline.rank_stages(args, mesh["pp"].get_local_rank())
+    num_stages, stage_ids = pipeline.rank_stages(args, dims.pp_rank)
     stage_modules = [model]  # no pipeline: the model is its one stage
     if args.pp_size > 1:
         stage_modules, blocks = pipeline.split(model, blocks, stage_ids, num_stages)
-    moe_layers = parallelize(model, stage_modules, blocks, mesh, expert_mesh, args, dtype, use_compile)
+    parallelize(model, stage_modules, blocks, dims, args, dtype, use_compile)
     for stage_module in stage_modules:
         stage_module.to_empty(device="cpu" if args.cpu_offload else device)  # allocated through it
     if weights:
@@ -164,9 +159,8 @@ def main():
     del full_model
     num_params = sum(p.numel() for p in model.parameters())
     # This rank's stages' (a DTensor counts its full size), and how the ranks split it and the rows.
-    logger.info(f"{num_params:,} parameters in stages {stage_ids} of {num_stages}, mesh "
-                f"{mesh.mesh_dim_names} {mesh.shape}, cp {args.cp_size}, dp {dp_size}")  # fmt: skip
-    schedule = pipeline_schedule(stage_modules, stage_ids, num_stages, mesh, args, config, dtype, device)
+    logger.info(f"{num_params:,} parameters in stages {stage_ids} of {num_stages}, {dims}")
+    schedule = pipeline_schedule(stage_modules, stage_ids, num_stages, dims, args, config, dtype, device)
 
     # --- 5. Optimizer and LR schedule ---
     params = common.adamw_param_groups(model, args.weight_decay)  # fused: one kernel, GPU or CPU
@@ -229,10 +223,7 @@ def main():
             batches = iter(dataloader)
 
             for _ in range(min(len(dataloader) // args.grad_accum_steps, total_steps - state["global_step"])):
-                loss, grad_norm = train_step(
-                    model, schedule, batches, optimizer, lr_scheduler, args, timers, autocast, device,
-                    mesh, cp_mesh, moe_layers, stage_group,
-                )  # fmt: skip
+                loss, grad_norm = train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, dims)
 
                 state["global_step"] += 1
                 state["epoch_step"] += 1
@@ -260,7 +251,7 @@ def main():
                         **common.shard_memory(model, optimizer),
                     }
                     if all_experts:  # every stage's layers (an all-gather over pp)
-                        metrics |= experts.load_metrics(moe_layers, mesh["pp"].get_group())
+                        metrics |= experts.load_metrics(common.experts_modules(model), dims.pp_group)
                     if peak_flops:
                         metrics["mfu"] = steps_since_log * flops_per_step / elapsed / (world_size * peak_flops)
                     common.log_metrics(metrics, metrics_file)
@@ -269,9 +260,7 @@ def main():
                     running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
                 if val_data is not None and not stopping and due(args.eval_every):
-                    val_loss = evaluate(
-                        model, schedule, val_data, args, device, autocast, dp_size, dp_rank, cp_mesh
-                    )
+                    val_loss = evaluate(model, schedule, val_data, args, dims)
                     common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
                     postfix.update(val_loss=f"{val_loss:.3f}")
                     progress.set_postfix(postfix)
@@ -305,11 +294,10 @@ def main():
     common.destroy_process_group_and_exit()  # gloo's threads would outlive it: see its docstring
 
 
-def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, autocast, device, mesh, cp_mesh,
-               moe_layers, stage_group):  # fmt: skip
+def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, dims):
     """Every rank calls this: one optimizer step on --grad-accum-steps micro-batches: loss and
     gradient norm, on device."""
-    step_loss = torch.zeros((), device=device)  # with stages, the last stage's losses; 0 on others
+    step_loss = torch.zeros((), device=dims.device)  # with stages, the last stage's losses; 0 on others
     for micro_step in range(args.grad_accum_steps):
         # FSDP reduce-scatters micro-step gradients into the sharded sum: DDP's no-sync would keep a
         # full fp32 gradient per rank (30 GiB at 8B). Only HSDP's all-reduce awaits the last one.
@@ -319,12 +307,12 @@ def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, 
         # the keys' and values' gradients around the ring too: entered here, closed after backward.
         in_ring = contextlib.ExitStack()
         with timers("data"):
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            batch = {k: v.to(dims.device, non_blocking=True) for k, v in next(batches).items()}
             # The mean over the micro-step's predicted tokens (HF's loss from labels), however they
             # are cut: into micro-batches, and over the cp ranks, each with its share of the count.
             num_items = (batch["labels"][:, 1:] != -100).sum() * args.grad_accum_steps
             num_items = num_items / args.cp_size
-            input_ids, labels, position_ids = in_ring.enter_context(shard_sequences(batch, cp_mesh))
+            input_ids, labels, position_ids = in_ring.enter_context(shard_sequences(batch, dims.cp_mesh))
 
         if schedule is not None:
             with timers("pipeline"), loss_parallel():
@@ -339,7 +327,7 @@ def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, 
 
         # loss_parallel: logits stay split over the vocabulary; cross-entropy combines the tp ranks'
         # parts ungathered: full-vocabulary logits are a small model's largest activation.
-        with timers("forward"), autocast(), loss_parallel():
+        with timers("forward"), loss_parallel():
             # No KV cache: only generation needs it; its per-layer state makes compile recompile.
             logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
             # Over their count, the micro-batches' losses sum to the gradients of the step's mean.
@@ -357,35 +345,34 @@ def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, 
     step_loss /= dist.get_world_size() // args.pp_size
 
     with timers("optimizer"):
-        dims.reduce_expert_grads(model, moe_layers, mesh, args)  # the means dense gradients are
+        moe_layers = common.experts_modules(model)  # this rank's stages' (none: a dense model)
+        experts.reduce_expert_grads(model, moe_layers, dims)  # the means dense gradients are
         # The norm of all stages' gradients (with experts, over both meshes: 09's): one direction.
         clip_grad_norm_ = experts.clip_grad_norm_ if moe_layers else pipeline.clip_grad_norm_
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, mesh["pp"].get_group())
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm, dims.pp_group)
         optimizer.step()
-        experts.update_load(moe_layers, stage_group)  # over each stage's ranks; routing biases
+        experts.update_load(moe_layers, dims.stage_group)  # over each stage's ranks; routing biases
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm
 
 
-def pipeline_schedule(stage_modules, stage_ids, num_stages, mesh, args, config, dtype, device):
+def pipeline_schedule(stage_modules, stage_ids, num_stages, dims, args, config, dtype, device):
     """Every rank calls this: with --pp-size > 1, chapter 08's schedule over this rank's stages,
     each sending plain tensors over the pp group to the next stage's rank (its TP DTensors made
-    local at the boundary: dims.stage_boundaries), shapes given; None without a pipeline."""
+    local at the boundary: pipeline.send_plain_tensors), shapes given; None without a pipeline."""
     if args.pp_size == 1:
         return None
-    tp_mesh = mesh["tp"]
     if args.tp_size > 1:
         for stage_module in stage_modules:
-            dims.stage_boundaries(stage_module, tp_mesh)
-    shapes = functools.partial(dims.stage_shapes, args, config, dtype, tp_rank=tp_mesh.get_local_rank())
+            pipeline.send_plain_tensors(stage_module, dims.tp_mesh)
     stages = [
-        PipelineStage(stage_module, i, num_stages, device, group=mesh["pp"].get_group(),
-                      **shapes(i, num_stages))
+        PipelineStage(stage_module, i, num_stages, device, group=dims.pp_group,
+                      **pipeline.shapes(args, config, dtype, i, num_stages, dims.tp_rank))
         for i, stage_module in zip(stage_ids, stage_modules)
     ]  # fmt: skip
     # The schedule cuts batches into micro-batches, runs this rank's forward and backward in order.
-    loss_fn = functools.partial(pipeline_loss, tp_mesh=tp_mesh, vocab_size=config.vocab_size)
+    loss_fn = functools.partial(pipeline_loss, tp_mesh=dims.tp_mesh, vocab_size=config.vocab_size)
     return get_schedule_class(args.pp_schedule)(
         stages if len(stages) > 1 else stages[0], n_microbatches=pipeline.microbatch_count(args),
         loss_fn=loss_fn, scale_grads=False,
@@ -414,37 +401,47 @@ def send_full_weights(model, full_model, device):
     full_state = full_model.state_dict() if rank == 0 else {}
     # Not strict: rank 0's full weights hold every stage's; each rank's model, only its own stages'.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    assert not set_model_state_dict(model, full_state, options=options).missing_keys
+    missing = set_model_state_dict(model, full_state, options=options).missing_keys
+    if missing:  # a tensor of this rank's stages that rank 0's model does not have: never here
+        raise RuntimeError(f"rank 0's full weights lack {missing}")
     pipeline.send_buffers(model, full_model, device)  # non-state-dict ones (rotary): every stage's
 
 
-def parallelize(model, stage_modules, blocks, mesh, expert_mesh, args, dtype, use_compile):
+def prepare_model(model, blocks, args, dtype) -> list:
+    """Has the model's attention run by the ring (set before the cut: the stages' modules copy its
+    config), refused in one line where the ring, the stages or the experts' ranks cannot take it
+    (ring.py, pipeline.py, experts.py), and a mixture's load tracked (09's, before the cut: each
+    layer knows its index in the whole model). Its experts modules (none: a dense model)."""
+    ring.use_ring_attention(model, args)
+    if args.pp_size > 1:
+        pipeline.check_model(model, blocks, args)
+    all_experts = experts.check_composed(model, args, dtype)
+    experts.track_load(model, all_experts, args.bias_update_rate)
+    return all_experts
+
+
+def parallelize(model, stage_modules, blocks, dims, args, dtype, use_compile):
     """What the chapter does to the model, in the required order (torchtitan's parallelize_llama
     is the model; main() enabled activation checkpointing and cut the stages): experts on their
     ranks, TP on the modules of this rank's stages, compile, FSDP, each stage its own root."""
     if moe_layers := common.experts_modules(model):  # this rank's stages' (none: a dense model)
-        experts.apply_expert_parallel(moe_layers, expert_mesh["ep"])  # E / ep on each rank (09)
+        experts.apply_expert_parallel(moe_layers, dims.expert_mesh["ep"])  # E / ep on each rank (09)
     # TP first, then FSDP shards the TP shards over dp: each weight is split in two dimensions.
     if args.tp_size > 1:
-        apply_tp(model, blocks, mesh["tp"])
+        apply_tp(model, blocks, dims.tp_mesh)
     if use_compile:
         # Each block alone (FSDP's hooks between blocks stay uncompiled), and whole (fullgraph): a
         # graph break would silently split it: collectives and casts between the pieces uncompiled.
-        # A MoE block's graphs stop at the dispatch, which runs eager (09); under TP: dims.py.
-        for block in (block for block in blocks if dims.compilable(block, args)):
+        # A MoE block's graphs stop at the dispatch, which runs eager (09); under TP: experts.py.
+        for block in (block for block in blocks if experts.compilable(block, args)):
             block.compile(fullgraph=not common.experts_modules(block))
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy()
     # A 2-D mesh is HSDP to fully_shard; with one group, its 1-D shard dimension is plain FSDP.
-    fsdp_mesh = mesh["replicate", "shard"] if mesh["replicate"].size() > 1 else mesh["shard"]
-    expert_dims = ("replicate", "efsdp") if mesh["replicate"].size() > 1 else ("efsdp",)
-    expert_fsdp_mesh = expert_mesh and expert_mesh[expert_dims]
+    meshes = dims.fsdp_mesh, dims.expert_fsdp_mesh  # the experts': over efsdp (09's)
     for stage_module in stage_modules:
         stage_blocks = [block for block in blocks if block in set(stage_module.modules())]
-        apply_fsdp(
-            stage_module, stage_blocks, fsdp_mesh, expert_fsdp_mesh, mp_policy, offload_policy, args
-        )
-    return moe_layers
+        apply_fsdp(stage_module, stage_blocks, *meshes, mp_policy, offload_policy, args)
 
 
 def apply_fsdp(model, blocks, mesh, expert_mesh, mp_policy, offload_policy, args):
@@ -502,7 +499,7 @@ def apply_tp(model, blocks, tp_mesh):
     parallelize_module(model, tp_mesh, root_plan)
     for block in blocks:
         # A MoE block's router and experts are not split over tp: each rank routes its own tokens.
-        plan = dims.experts_tp_plan(model, block, blocks, root_plan, block_plan)
+        plan = tp.experts_tp_plan(model, block, blocks, root_plan, block_plan, tp_mesh.size())
         parallelize_module(block, tp_mesh, plan)
     if model.config.tie_word_embeddings:
         # Both split alike over the vocabulary (dim 0), but into two new parameters: tie them again.
@@ -521,7 +518,7 @@ def next_token_loss(logits, labels, num_items):
 
 def pipeline_loss(logits, labels, num_items, tp_mesh, vocab_size):
     """The last stage's loss of a micro-batch: its logits arrive as this rank's part of the
-    vocabulary (a plain tensor: dims.stage_boundaries), made loss_parallel's DTensor again."""
+    vocabulary (a plain tensor: pipeline.send_plain_tensors), made loss_parallel's DTensor again."""
     if tp_mesh.size() > 1:
         rows, tokens, _ = logits.shape
         shape, stride = (rows, tokens, vocab_size), (tokens * vocab_size, vocab_size, 1)
@@ -600,22 +597,22 @@ def export_hf(model, config, tokenizer, folder, dtype):
     logger.info(f"Exported the model to {folder} in {dtype}")
 
 
-def evaluate(model, schedule, val_data, args, device, autocast, dp_size, dp_rank, cp_mesh) -> float:
+def evaluate(model, schedule, val_data, args, dims) -> float:
     """Every rank calls this: the mean loss over the first --eval-batches global batches of the
     validation rows, without gradients. It draws no random numbers, so training after it goes on
     exactly as without it."""
     batch_size = args.pp_size * args.batch_size  # a pipeline's, cut into micro-batches
-    global_batch = dp_size * batch_size
+    global_batch = dims.dp * batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
     # Each dp rank takes every dp_size-th row; the sum of the batches' mean losses is all-reduced.
-    sampler = DistributedSampler(rows, dp_size, dp_rank, shuffle=False)
-    total = torch.zeros((), device=device)
+    sampler = DistributedSampler(rows, dims.dp, dims.dp_rank, shuffle=False)
+    total = torch.zeros((), device=dims.device)
     model.eval()
-    with torch.no_grad(), autocast(), loss_parallel():
+    with torch.no_grad(), loss_parallel():
         for batch in DataLoader(rows, sampler=sampler, batch_size=batch_size):
-            batch = {k: v.to(device) for k, v in batch.items()}
+            batch = {k: v.to(dims.device) for k, v in batch.items()}
             num_items = (batch["labels"][:, 1:] != -100).sum() / args.cp_size
-            with shard_sequences(batch, cp_mesh) as (input_ids, labels, position_ids):
+            with shard_sequences(batch, dims.cp_mesh) as (input_ids, labels, position_ids):
                 if schedule is None:
                     output = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
                     total += next_token_loss(output.logits, labels, num_items)

@@ -56,7 +56,7 @@ def train(family, mesh, tp, cp=1, ep=1):
     if tp > 1:
         chapter.apply_tp(model, blocks, mesh["tp"])
     if cp > 1:  # its refusals, the attention function the ring runs, the CPU's kernel on the ring
-        chapter.ring.check_model(model, chapter.get_parser().parse_args(["--cp-size", str(cp), "--seq-length", "64"]))
+        chapter.ring.use_ring_attention(model, chapter.get_parser().parse_args(["--cp-size", str(cp), "--seq-length", "64"]))
         chapter.cpu_ring_attention.register(torch.device("cpu"))
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     fsdp_mesh = mesh["dp"] if tp > 1 else mesh["cp"] if cp > 1 else mesh  # cp: FSDP over dp x cp, here 1 x 2

@@ -161,11 +161,11 @@ def test_models_whose_attention_the_ring_cannot_take_are_refused(model_type, con
     chapter = load_chapter()
     args = chapter.get_parser().parse_args(["--cp-size", "2"])
     with pytest.raises(SystemExit) as refused:
-        chapter.ring.check_model(meta_model(model_type, **config), args)
+        chapter.ring.use_ring_attention(meta_model(model_type, **config), args)
     assert str(refused.value) == f"error: --cp-size 2: ring attention cannot run {problem}; use --cp-size 1"
     # A window longer than the rows is no window: Mistral's default attention runs on the ring.
     mistral = meta_model("mistral", sliding_window=4096)
-    chapter.ring.check_model(mistral, args)
+    chapter.ring.use_ring_attention(mistral, args)
     assert mistral.config._attn_implementation == "sdpa_context_parallel"
 
 

@@ -168,7 +168,7 @@ def build(chapter, config, dp, tp, shard=None, cp=1, checkpointing=None):
             ["--cp-size", str(cp), "--seq-length", str(config.max_position_embeddings)]
         )
         chapter.ring.check_layout(args, dp * cp, dp * cp)
-        chapter.ring.check_model(model, args)
+        chapter.ring.use_ring_attention(model, args)
     elif hasattr(chapter, "apply_float8"):
         args = chapter.get_parser().parse_args(["--tp-size", str(tp), "--fp8-emulate", "--fp8-layers", "fast"])
         chapter.apply_float8(blocks, args, fp8_all_gather=True)

@@ -24,30 +24,19 @@ of the first stage, of the last (--last-stage) or of any (--pp-rank).
 import argparse
 import contextlib
 import functools
-import importlib.util
 import os
-import sys
 import time
-from pathlib import Path
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 
+from tools.chapters import chapter_module
 from tools.plan import GIB, Layout, count, plan
 
-REPO = Path(__file__).resolve().parents[1]
-
-
 def load(chapter: str):
-    """The chapter's script as a module. Its folder goes on sys.path, as when the script runs: chapter 06
-    imports its own modules from there."""
-    if str(REPO / chapter) not in sys.path:
-        sys.path.insert(0, str(REPO / chapter))
-    spec = importlib.util.spec_from_file_location(f"memory_{chapter[:2]}", REPO / chapter / "train_llm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The chapter's script as a module, with the modules beside it (tools/chapters.py's one loader)."""
+    return chapter_module(chapter)
 
 
 def tracked_peak(chapter, config, mesh, argv, cp_mesh=None, expert_mesh=None) -> dict:
@@ -93,7 +82,7 @@ def tracked_peak(chapter, config, mesh, argv, cp_mesh=None, expert_mesh=None) ->
         layers, meshes = (chapter.experts.check_model(model, args, torch.bfloat16),), (mesh, expert_mesh)
     if cp_mesh is not None:  # as chapter 07's main(): the CPU's kernel on the ring, and SDPA with no mask
         chapter.cpu_ring_attention.register(device)
-        chapter.ring.check_model(model, args)
+        chapter.ring.use_ring_attention(model, args)
         step_args = (cp_mesh,)
     chapter.parallelize(model, transformer_blocks(model), *meshes, args, torch.bfloat16, use_compile=False)
     # DTensor derives each op's output shape on full-size tensors, in the fake mode it finds: in one of its own,
@@ -143,7 +132,7 @@ def composed_rank(chapter, config, argv, world_size: int, before_micro_batch=lam
 
     args = chapter.get_parser().parse_args(argv)
     device = torch.device("cpu")
-    mesh, cp_mesh = chapter.dims.build_meshes("cpu", args, world_size)
+    dims = chapter.ParallelDims(args, world_size, dist.get_rank())
     not_tracing = mock.patch.object(masking_utils, "is_tracing", lambda tensor=None: import_utils.is_tracing())
     not_packed = mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
     with torch.device("meta"):
@@ -151,19 +140,17 @@ def composed_rank(chapter, config, argv, world_size: int, before_micro_batch=lam
     if args.activation_checkpointing:
         checkpoint_blocks(transformer_blocks(model), args.activation_checkpointing)
     blocks = transformer_blocks(model)
-    chapter.dims.check_model(model, blocks, args)
-    all_experts = chapter.dims.check_experts(model, args, torch.bfloat16)
-    expert_mesh, stage_group = chapter.dims.build_expert_meshes("cpu", args, mesh, all_experts)
+    all_experts = chapter.prepare_model(model, blocks, args, torch.bfloat16)
+    dims.build_meshes(device, experts=bool(all_experts))
     chapter.cpu_ring_attention.register(device)
-    num_stages, stage_ids = chapter.pipeline.rank_stages(args, mesh["pp"].get_local_rank())
+    num_stages, stage_ids = chapter.pipeline.rank_stages(args, dims.pp_rank)
     stage_modules = [model]
     if args.pp_size > 1:
         stage_modules, blocks = chapter.pipeline.split(model, blocks, stage_ids, num_stages)
-    moe_layers = chapter.parallelize(model, stage_modules, blocks, mesh, expert_mesh, args, torch.bfloat16,
-                                     use_compile=False)  # fmt: skip
+    chapter.parallelize(model, stage_modules, blocks, dims, args, torch.bfloat16, use_compile=False)
     own_mode = mock.patch.object(_sharding_prop, "detect_fake_mode", lambda *args: None)
     splits = contextlib.ExitStack()
-    if expert_mesh is not None:  # 09's dispatch, its split sizes even (the planner's uniform routing)
+    if all_experts:  # 09's dispatch, its split sizes even (the planner's uniform routing)
         splits.callback(even_splits())
     # A pipeline's ranks first vote, by sends and receives, on whether every stage knows its
     # neighbours' shapes: the fake group's receives hold no votes. The chapter gives its shapes.
@@ -181,7 +168,7 @@ def composed_rank(chapter, config, argv, world_size: int, before_micro_batch=lam
             gpu_attention():
         for stage_module in stage_modules:
             stage_module.to_empty(device=device)
-        schedule = chapter.pipeline_schedule(stage_modules, stage_ids, num_stages, mesh, args, config,
+        schedule = chapter.pipeline_schedule(stage_modules, stage_ids, num_stages, dims, args, config,
                                              torch.bfloat16, device)  # fmt: skip
         optimizer = torch.optim.AdamW(model.parameters(), foreach=False)  # as tracked_peak's
         lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -192,11 +179,8 @@ def composed_rank(chapter, config, argv, world_size: int, before_micro_batch=lam
                 ids = torch.randint(0, config.vocab_size, (args.pp_size * args.batch_size, args.seq_length))
                 yield {"input_ids": ids, "labels": ids}
 
-        autocast = functools.partial(torch.autocast, device.type, enabled=False)
         step = functools.partial(chapter.train_step, model, schedule, batches(), optimizer, lr_scheduler, args)
-        yield model, stage_modules, optimizer, lambda: step(
-            PhaseTimers(device), autocast, device, mesh, cp_mesh, moe_layers, stage_group
-        )
+        yield model, stage_modules, optimizer, lambda: step(PhaseTimers(device), dims)
 
 
 def composed_peak(chapter, config, argv, world_size: int) -> dict:
