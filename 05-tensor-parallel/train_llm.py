@@ -406,7 +406,8 @@ def apply_tp(model, blocks, tp_mesh):
 
 
 def next_token_loss(logits, labels):
-    """Chapter 01's loss (HF's from labels): mean fp32 cross-entropy of next-token predictions."""
+    """Every rank calls this (under loss_parallel, the cross-entropy all-reduces over tp): chapter
+    01's loss (HF's from labels): mean fp32 cross-entropy of next-token predictions."""
     labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
     # Under loss_parallel, equal on every tp rank: its local copy, which backward goes through.

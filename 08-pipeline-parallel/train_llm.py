@@ -347,7 +347,9 @@ def send_full_weights(model, full_model, device):
     full_state = full_model.state_dict() if rank == 0 else {}
     # Not strict: rank 0's full weights hold every stage's; each rank's model, only its own stages'.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    assert not set_model_state_dict(model, full_state, options=options).missing_keys
+    missing = set_model_state_dict(model, full_state, options=options).missing_keys
+    if missing:  # a tensor of this rank's stages that rank 0's model does not have: never here
+        raise RuntimeError(f"rank 0's full weights lack {missing}")
     # Non-state-dict buffers (rotary frequencies) are sent too: every stage's, by rank 0's names.
     pipeline.send_buffers(model, full_model, device)
 

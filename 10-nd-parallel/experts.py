@@ -1,13 +1,15 @@
-"""Chapter 09's experts.py, grown by what the composed mesh asks of it (its diff from 09's is in
-this chapter's README): the model's experts checked against the layout, the gradient norm and the
-experts' load over every pipeline stage, and the experts under TP (each tp rank routing its own
-tokens: the blocks that hold them run eager, the gradients of what every tp rank keeps whole
-summed over tp). Below, 09's words: the checks and the bookkeeping around expert parallelism,
-which layers are a mixture of experts and what the model and the balancing flags can take
-(refused in one line before anything is built), the experts split over the ep ranks and each
-token sent to its experts' ranks and back (apply_expert_parallel, dispatch), the gradient norm
-over two meshes, the experts' load, and the routing biases of DeepSeek-V3's balancing. The experts'
-mesh is the chapter's (dims.py), their sharding too (train_llm.py).
+"""The checks and the bookkeeping around expert parallelism, beside the chapter: which layers are a
+mixture of experts and what --ep-size, the model and the balancing flags can take (refused in one
+line before anything is built), the experts split over the ep ranks and each token sent to its
+experts' ranks and back (apply_expert_parallel, dispatch), the gradient norm over two meshes, the
+experts' load, and the routing biases of DeepSeek-V3's balancing. The experts' mesh and their
+sharding are the chapter's (train_llm.py).
+
+Chapter 09's file, grown by what the composed mesh asks of it (its diff from 09's is in this
+chapter's README): the model's experts checked against the layout (dims.py: their mesh), the
+gradient norm and the experts' load over every pipeline stage, and the experts under TP, each tp
+rank routing its own tokens (the blocks that hold them run eager; the gradients of what every tp
+rank keeps whole summed over tp).
 
 The experts are Hugging Face's own, through the contract every MoE family follows in transformers 5
 (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V3, gpt-oss, GLM-4.5, ...): a module called as
@@ -336,11 +338,11 @@ def track_load(model: nn.Module, layers: list[nn.Module], rate: float | None) ->
 
 def update_load(layers: list[nn.Module], group=None) -> None:
     """Every rank calls this: after each optimizer step: the step's load (layers, experts) summed
-    over all ranks (each counted the tokens it sent; with pipeline stages, over `group`: the ranks
-    that hold the same layers), kept for the log line; and DeepSeek-V3's auxiliary-loss-free
-    balancing: each layer's routing bias moved toward even loads, up by the rate for the experts
-    below the mean load, down for those above (torchtitan's update: the sign of each one's deficit,
-    centred). Every rank moves it the same, from the same counts."""
+    over all ranks (each counted the tokens it sent), kept for the log line; and DeepSeek-V3's
+    auxiliary-loss-free balancing: each layer's routing bias moved toward even loads, up by the
+    rate for the experts below the mean load, down for those above (torchtitan's update: the sign
+    of each one's deficit, centred). Every rank moves it the same, from the same counts. With
+    pipeline stages, summed over `group`: the ranks that hold the same layers."""
     if not layers:  # a stage with none: nor have the others of its group
         return
     step_load = torch.stack([module.load for module in layers]).float()

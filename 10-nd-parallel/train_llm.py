@@ -507,9 +507,10 @@ def apply_tp(model, blocks, tp_mesh):
 
 
 def next_token_loss(logits, labels, num_items):
-    """Chapter 01's loss (HF's from labels): fp32 cross-entropy of next-token predictions, summed
-    and divided by their count in the micro-step (`num_items`), the labels shifted already: a row's
-    tokens may be cut over cp ranks (a slice's last token predicts the next slice's first)."""
+    """Every rank calls this (under loss_parallel, the cross-entropy all-reduces over tp): chapter
+    01's loss (HF's from labels): fp32 cross-entropy of next-token predictions, summed and divided
+    by their count in the micro-step (`num_items`), the labels shifted already: a row's tokens may
+    be cut over cp ranks (a slice's last token predicts the next slice's first)."""
     logits, labels = logits.flatten(0, 1).float(), labels.flatten()
     loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
     # Under loss_parallel, equal on every tp rank: its local copy, which backward goes through.
@@ -517,8 +518,9 @@ def next_token_loss(logits, labels, num_items):
 
 
 def pipeline_loss(logits, labels, num_items, tp_mesh, vocab_size):
-    """The last stage's loss of a micro-batch: its logits arrive as this rank's part of the
-    vocabulary (a plain tensor: pipeline.send_plain_tensors), made loss_parallel's DTensor again."""
+    """Every rank calls this on the last stage (the schedule does: next_token_loss all-reduces over
+    tp): the loss of a micro-batch, whose logits arrive as this rank's part of the vocabulary (a
+    plain tensor: pipeline.send_plain_tensors), made loss_parallel's DTensor again."""
     if tp_mesh.size() > 1:
         rows, tokens, _ = logits.shape
         shape, stride = (rows, tokens, vocab_size), (tokens * vocab_size, vocab_size, 1)

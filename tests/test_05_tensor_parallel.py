@@ -13,6 +13,7 @@ from harness import (
     read_metrics,
     rewind,
     run_chapter,
+    run_forked,
 )
 
 from tools.plan import Layout
@@ -143,3 +144,28 @@ def test_layouts_that_cannot_split_are_refused(tmp_path, hf_home, args, message)
     assert proc.returncode != 0
     assert message in last_lines(proc.stderr), last_lines(proc.stderr)
     assert not (tmp_path / CHAPTER).exists()
+
+
+def mlp_of_width_128(folder):
+    """tiny_llama 96 wide, with 6 heads of 16 and 3 key/value heads (every width of attention divides
+    by 3) and an MLP 128 wide, which 3 ranks cannot split."""
+    import json
+    import shutil
+
+    shutil.copytree(REPO / "common" / "tiny_llama", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config |= {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 128}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("chapter", [CHAPTER, "10-nd-parallel"])
+def test_a_width_tp_cannot_split_is_refused_in_one_line(chapter, tmp_path, hf_home):
+    """The heads and the tokens divide by 3, the MLP's 128 does not: DTensor would fail deep in its
+    matmuls' sharding propagation; the plan's check names the flag and the width, on every rank."""
+    model = mlp_of_width_128(tmp_path / "model")
+    flags = ["--tp-size", "3", "--seq-length", "126", "--model-name", str(model)]
+    code, stderr, ends = run_forked(chapter, *flags, "--save-dir", str(tmp_path / "out"), nproc=3, hf_home=hf_home)
+    message = "error: --tp-size 3 must divide the 128 outputs of mlp.gate_proj, which tensor parallel splits"
+    assert code != 0 and message in last_lines(stderr, 2), ends
+    assert "Traceback" not in stderr and not (tmp_path / "out" / chapter).exists(), ends

@@ -57,7 +57,7 @@ def pp_tp_run(tmp_path_factory, hf_home):
 
 def test_pp_2_x_tp_2_with_accumulation_and_checkpointing_equals_fsdp(pp_tp_run, fsdp_run, tmp_path):
     save_dir, log = pp_tp_run
-    assert "in stages [0] of 2, mesh ('pp', 'replicate', 'shard', 'tp') (2, 1, 1, 2), cp 1, dp 1" in log, log[-3000:]
+    assert "in stages [0] of 2, pp 2 x dp 1 x cp 1 x tp 2, ep 1" in log, log[-3000:]
     assert_equal_to_04(save_dir / CHAPTER, fsdp_run, tmp_path)
     # Each block whole (no graph break), no graph after the first steps' (training's, evaluation's).
     counts = [json.loads(line) for line in (save_dir / "compile_counts.jsonl").read_text().splitlines()]
@@ -69,18 +69,18 @@ def test_pp_2_x_tp_2_with_accumulation_and_checkpointing_equals_fsdp(pp_tp_run, 
 @pytest.mark.parametrize(
     "ranks, flags, mesh",
     [
-        (4, ["--tp-size", "2", "--cp-size", "2", "--batch-size", "8"], "(1, 1, 2, 2), cp 2, dp 1"),
+        (4, ["--tp-size", "2", "--cp-size", "2", "--batch-size", "8"], "pp 1 x dp 1 x cp 2 x tp 2"),
         (8, ["--pp-size", "2", "--tp-size", "2", "--batch-size", "2", "--pp-schedule", "Interleaved1F1B"],
-         "(2, 1, 2, 2), cp 1, dp 2"),
-        (8, ["--pp-size", "2", "--tp-size", "2", "--batch-size", "2", "--shard-size", "1"], "(2, 2, 1, 2), cp 1, dp 2"),
+         "pp 2 x dp 2 x cp 1 x tp 2"),
+        (8, ["--pp-size", "2", "--tp-size", "2", "--batch-size", "2", "--shard-size", "1"],
+         "pp 2 x dp 2 (replicate 2 x shard 1) x cp 1 x tp 2"),
     ],
     ids=["tp2-cp2", "pp2-interleaved-tp2-dp2", "hsdp-pp2-tp2"],
 )  # fmt: skip
 def test_each_composition_equals_fsdp(ranks, flags, mesh, fsdp_run, tmp_path, hf_home):
-    """The mesh (pp, replicate, shard, tp) each rank logs: shard holds the dp ranks that shard each
-    tensor and the cp ranks beside them; HSDP replicates over the rest."""
+    """The layout each rank logs: the grid's sizes, HSDP's replicas and shards among the dp ranks."""
     proc = run_chapter(CHAPTER, *ARGS, *flags, "--save-dir", str(tmp_path), nproc=ranks, hf_home=hf_home)
-    assert f"mesh ('pp', 'replicate', 'shard', 'tp') {mesh}" in proc.stderr, proc.stderr[-3000:]
+    assert f"{mesh}, ep 1" in proc.stderr, proc.stderr[-3000:]
     assert_equal_to_04(tmp_path / CHAPTER, fsdp_run, tmp_path)
 
 
@@ -162,6 +162,17 @@ def test_a_bad_size_is_refused_in_one_line_under_torchrun(tmp_path, hf_home):
                        hf_home=hf_home, check=False)  # fmt: skip
     assert proc.returncode != 0
     assert "error: --pp-size 2 x --cp-size 2 = 4 must divide the number of ranks (2)" in last_lines(proc.stderr)
+
+
+def test_python_O_sends_the_seeded_weights(fsdp_run, tmp_path, hf_home):
+    """Under python -O (PYTHONOPTIMIZE) an assert's expression is never run: rank 0's seeded weights
+    reach every stage all the same (no transfer inside an assert: tests/test_source_rules.py), and
+    the first losses are chapter 04's. Under torchrun: forked ranks would run as the server was."""
+    flags = ["--pp-size", "2", "--batch-size", "4", "--max-steps", "3", "--save-dir", str(tmp_path)]
+    run_chapter(CHAPTER, *FAST_ARGS, *flags, nproc=2, hf_home=hf_home, env={"PYTHONOPTIMIZE": "1"},
+                torchrun_args=("--max-restarts", "0"))  # fmt: skip
+    got, want = losses(tmp_path / CHAPTER), losses(fsdp_run)[:3]
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-5, (got, want)
 
 
 def test_the_chapter_carries_07s_ring_unchanged():

@@ -29,6 +29,25 @@ def test_chapter_readmes_embed_their_current_diff():
         )
 
 
+def test_a_module_a_chapter_carries_is_its_sources_copy_or_its_diff_is_embedded():
+    """One source per module: a module that an earlier chapter teaches is carried byte for byte (a
+    fix to one is a fix to both) or grown, and then its diff from the source is part of the
+    chapter's lesson, in its README."""
+    from tools.diff import module_sources
+
+    grown = {}
+    for chapter in chapters():
+        readme = (chapter / "README.md").read_text()
+        for name, source in module_sources(chapter).items():
+            if (chapter / name).read_bytes() == (source / name).read_bytes():
+                continue
+            marker = f"<!-- diff: {source.name}/{name} {chapter.name}/{name} -->"
+            assert marker in readme, f"{chapter.name}/README.md must embed its {name}'s diff from {source.name}"
+            grown[f"{chapter.name}/{name}"] = source.name
+    assert grown == {"10-nd-parallel/tp.py": "05-tensor-parallel", "10-nd-parallel/pipeline.py": "08-pipeline-parallel",
+                     "10-nd-parallel/experts.py": "09-expert-parallel"}, grown  # fmt: skip
+
+
 def test_chapters_stay_within_the_guides_sizes():
     """The style guide's limits: a chapter is read top to bottom, so it stays under 600 lines (the
     composed chapter, 10, which carries four chapters' lessons: 700), main() under 260."""

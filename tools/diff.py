@@ -1,10 +1,12 @@
-"""Each chapter's lesson is the diff of its train_llm.py against the previous chapter's.
+"""Each chapter's lesson is the diff of its train_llm.py against the previous chapter's, and of each
+module it grows against the chapter that teaches it.
 
     python -m tools.diff 01 02      # print the diff between chapters 01 and 02
     python -m tools.diff 04 07      # chapter 07 (context parallel) builds on chapter 04
     python -m tools.diff 04 08      # chapter 08 (pipeline parallel) too
     python -m tools.diff 04 09      # and chapter 09 (expert parallel)
     python -m tools.diff 05 10      # chapter 10 (every parallelism) builds on chapter 05 (FSDP x TP)
+    python -m tools.diff 08 10 pipeline  # what chapter 10 adds to chapter 08's pipeline.py
     python -m tools.diff --update   # rewrite the diff embedded in every chapter README
 
 A chapter README embeds its diff between two markers, which `--update` rewrites and the test
@@ -43,6 +45,19 @@ def base(chapter_dir: Path) -> Path:
     """The chapter whose train_llm.py `chapter_dir`'s is diffed against."""
     found = chapters()
     return REPO / BASES[chapter_dir.name] if chapter_dir.name in BASES else found[found.index(chapter_dir) - 1]
+
+
+def module_sources(chapter_dir: Path) -> dict[str, Path]:
+    """The modules beside `chapter_dir`'s script that an earlier chapter teaches, each with the
+    first chapter holding a module of that name, the one that teaches it: carried from there
+    unchanged, or grown (its diff from there embedded in the chapter's README)."""
+    earlier = chapters()[: chapters().index(chapter_dir)]
+    found = {}
+    for path in sorted(chapter_dir.glob("*.py")):
+        sources = [folder for folder in earlier if (folder / path.name).is_file()]
+        if path.name != "train_llm.py" and sources:
+            found[path.name] = sources[0]
+    return found
 
 
 def chapter(number: str) -> Path:
@@ -91,6 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("old", nargs="?", help="chapter number, e.g. 01")
     parser.add_argument("new", nargs="?", help="chapter number, e.g. 02")
+    parser.add_argument("module", nargs="?", default="train_llm", help="a module of both, e.g. pipeline")
     parser.add_argument("--update", action="store_true", help="rewrite the diffs embedded in chapter READMEs")
     args = parser.parse_args()
     if args.update:
@@ -101,7 +117,7 @@ def main() -> None:
                 print(f"updated {readme.relative_to(REPO)}")
     elif args.old and args.new:
         old, new = chapter(args.old), chapter(args.new)
-        sys.stdout.write(unified_diff(f"{old.name}/train_llm.py", f"{new.name}/train_llm.py"))
+        sys.stdout.write(unified_diff(f"{old.name}/{args.module}.py", f"{new.name}/{args.module}.py"))
     else:
         parser.error("give two chapter numbers (e.g. 01 02), or --update")
 

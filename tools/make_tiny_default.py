@@ -320,7 +320,8 @@ def main():
     rows = make_rows()
     write_dataset(rows)
     tokenizer = train_tokenizer([row["text"] for row in rows])
-    assert len(tokenizer) == VOCAB_SIZE, len(tokenizer)
+    if len(tokenizer) != VOCAB_SIZE:
+        raise SystemExit(f"error: the tokenizer has {len(tokenizer)} tokens, not VOCAB_SIZE {VOCAB_SIZE}")
     write_model(tokenizer)
     write_moe_model(tokenizer)
     write_benchmark_model(tokenizer)

@@ -86,8 +86,9 @@ def seconds(fn, device: torch.device) -> float:
 
 
 def measure_device(device: torch.device, args) -> dict:
-    """This rank's matmul FLOP/s and copy bandwidth (bytes read + written per second, as STREAM counts),
-    each the median of --reps runs after --warmup runs."""
+    """Every rank calls this (a barrier before timing): this rank's matmul FLOP/s and copy bandwidth
+    (bytes read + written per second, as STREAM counts), each the median of --reps runs after
+    --warmup runs."""
     n, dtype = args.matmul_size, torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b, c = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(3))
     src = torch.empty(args.copy_size, dtype=torch.uint8, device=device)
@@ -104,7 +105,8 @@ def measure_device(device: torch.device, args) -> dict:
 
 
 def measure_links(links: dict, device: torch.device, args) -> dict:
-    """{(link, op, size): bus bandwidth} of all-reduce and all-gather in each link this rank is part of.
+    """Every rank calls this (it makes each link's group, and all-reduces and all-gathers over it):
+    {(link, op, size): bus bandwidth} of all-reduce and all-gather in each link this rank is part of.
 
     One link at a time, while the others wait at a barrier: a link's number is its own, not shared with
     its neighbours' traffic (nor, on a CPU, their cores). The links take turns at every repetition,
