@@ -8,7 +8,7 @@ its collectives in every block), then cp (the ring's keys and values beside atte
 dp ranks (FSDP's gathers, hidden behind compute; HSDP's replicas outermost of them), and pp across
 nodes (only activations cross a stage's boundary). The dp ranks are replicate x shard: HSDP's
 replicas of the weights, and in each the ranks that shard them (--shard-size; all dp ranks by
-default: FSDP). The chapters' own checks (tp.py, ring.py, pipeline.py, experts.py) each know one
+default: FSDP). The chapters' own checks (ring.py, pipeline.py, tp.py, experts.py) each know one
 dimension; these know them together.
 
 A mixture of experts regroups the same grid, as torchtitan's does: in each stage, the ranks that
@@ -22,7 +22,6 @@ import pipeline
 import ring
 import torch
 import torch.distributed as dist
-import tp
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -46,12 +45,22 @@ class ParallelDims:
         self.pp, self.cp, self.tp, self.ep = args.pp_size, args.cp_size, args.tp_size, args.ep_size
         self.dp = world_size // (self.pp * self.cp * self.tp)  # the ranks that train other rows
         self.shard = args.shard_size or self.dp
-        tp.check_layout(args, world_size, self.shard)  # its warning: a tp group across nodes
         self.replicate = self.dp // self.shard
-        self.grid = torch.arange(world_size).view(self.pp, self.replicate, self.shard, self.cp, self.tp)
-        self.pp_rank, replicate_rank, shard_rank, self.cp_rank, self.tp_rank = (self.grid == rank).nonzero()[0].tolist()
+        # Its views, each a mesh's or groups' ranks, taken now: before the model (which some tools
+        # build in fake tensors, where these would be fake too).
+        shape = (self.pp, self.replicate, self.shard, self.cp, self.tp)
+        self.grid = torch.arange(world_size).view(shape)
+        self.weight_ranks = self.grid.flatten(2, 3)  # (pp, replicate, shard x cp, tp)
+        # The ring's groups: the ranks that differ in cp alone.
+        self.cp_groups = self.grid.movedim(3, -1).reshape(-1, self.cp).tolist()
+        # Each stage's shard x cp x tp ranks as (efsdp, ep).
+        self.expert_ranks = self.grid.reshape(self.pp, self.replicate, -1, self.ep)
+        self.stage_ranks = self.grid.reshape(self.pp, -1).tolist()
+        coordinates = (self.grid == rank).nonzero()[0].tolist()
+        self.pp_rank, replicate_rank, shard_rank, self.cp_rank, self.tp_rank = coordinates
         self.dp_rank = replicate_rank * self.shard + shard_rank
-        self.device = self.mesh = self.fsdp_mesh = self.cp_mesh = self.expert_mesh = self.stage_group = None
+        self.device = self.mesh = self.fsdp_mesh = self.cp_mesh = None  # build_meshes()'s
+        self.expert_mesh = self.stage_group = None
 
     def build_meshes(self, device: torch.device, experts: bool) -> None:
         """Every rank calls this (it makes the process groups): the weights' mesh over the grid, the
@@ -60,22 +69,20 @@ class ParallelDims:
         group (the experts' load is summed over the ranks that hold the same layers). `device`: the
         one this rank computes on, which the step and evaluation move their rows to."""
         self.device, device_type = device, device.type
-        weights = self.grid.flatten(2, 3)  # (pp, replicate, shard x cp, tp)
-        self.mesh = DeviceMesh(device_type, weights, mesh_dim_names=("pp", "replicate", "shard", "tp"))
-        self.fsdp_mesh = self.mesh["replicate", "shard"] if self.replicate > 1 else self.mesh["shard"]
-        cp_groups = self.grid.movedim(3, -1).reshape(-1, self.cp)
-        cp_group, _ = dist.new_subgroups_by_enumeration(cp_groups.tolist())
+        names = ("pp", "replicate", "shard", "tp")
+        self.mesh = DeviceMesh(device_type, self.weight_ranks, mesh_dim_names=names)
+        hsdp = self.replicate > 1
+        self.fsdp_mesh = self.mesh["replicate", "shard"] if hsdp else self.mesh["shard"]
+        cp_group, _ = dist.new_subgroups_by_enumeration(self.cp_groups)
         self.cp_mesh = DeviceMesh.from_group(cp_group, device_type, mesh_dim_names=("cp",))
         if not experts:
             return
         # In each stage, shard x cp x tp as efsdp x ep: consecutive ranks, a node's GPUs, make an ep
         # group, so that the all-to-alls of every block cross NVLink, not the network.
-        regrouped = self.grid.reshape(self.pp, self.replicate, -1, self.ep)
         names = ("pp", "replicate", "efsdp", "ep")
-        self.expert_mesh = DeviceMesh(device_type, regrouped, mesh_dim_names=names)
+        self.expert_mesh = DeviceMesh(device_type, self.expert_ranks, mesh_dim_names=names)
         if self.pp > 1:
-            stages = self.grid.reshape(self.pp, -1).tolist()
-            self.stage_group = dist.new_subgroups_by_enumeration(stages)[0]
+            self.stage_group = dist.new_subgroups_by_enumeration(self.stage_ranks)[0]
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -91,7 +98,8 @@ class ParallelDims:
         dense model."""
         if self.expert_mesh is None:
             return None
-        return self.expert_mesh["replicate", "efsdp"] if self.replicate > 1 else self.expert_mesh["efsdp"]
+        hsdp = self.replicate > 1
+        return self.expert_mesh["replicate", "efsdp"] if hsdp else self.expert_mesh["efsdp"]
 
     def __str__(self) -> str:
         hsdp = f" (replicate {self.replicate} x shard {self.shard})" if self.replicate > 1 else ""

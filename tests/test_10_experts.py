@@ -60,7 +60,7 @@ def pp_ep_run(tmp_path_factory, hf_home):
 
 def test_pp_2_x_ep_2_with_accumulation_checkpointing_and_compile_equals_09(pp_ep_run, ep_run, tmp_path):
     run, log = pp_ep_run
-    assert "in stages [0] of 2, mesh ('pp', 'replicate', 'shard', 'tp') (2, 1, 2, 1), cp 1, dp 2" in log, log[-3000:]
+    assert "in stages [0] of 2, pp 2 x dp 2 x cp 1 x tp 1, ep 2" in log, log[-3000:]
     assert_equal_to_09(run, ep_run, tmp_path)
 
 
