@@ -396,7 +396,7 @@ def apply_tp(model, blocks, tp_mesh):
     }
     # The norms other families add; and any module the plan does not name, refused (tp.py).
     block_plan |= tp.norm_plan(blocks[0], model.config)
-    tp.check_plan(model, blocks, root_plan, block_plan, tp_mesh.size())
+    tp.check_plan(model, blocks, root_plan, block_plan, tp_mesh)
     parallelize_module(model, tp_mesh, root_plan)
     for block in blocks:
         parallelize_module(block, tp_mesh, block_plan)

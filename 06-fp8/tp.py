@@ -53,7 +53,7 @@ def norm_plan(block, config) -> dict:
     return plan
 
 
-def check_plan(model, blocks, root_plan: dict, block_plan: dict, tp_size: int) -> None:
+def check_plan(model, blocks, root_plan: dict, block_plan: dict, tp_mesh) -> None:
     """Refuses a plan that names a module the model lacks, a module the plan does not know, or a
     width it cannot split evenly over the tp ranks (the MLP's intermediate size, say)."""
     missing = [n for n in root_plan if not has_module(model, n)]
@@ -69,6 +69,7 @@ def check_plan(model, blocks, root_plan: dict, block_plan: dict, tp_size: int) -
         raise SystemExit(f"error: --tp-size: apply_tp's plan does not know these modules of the model: {unknown}")
     # A column-wise layer splits its outputs, a row-wise one its inputs (the vocabulary's split, the
     # root's, may be uneven: DTensor's); a width they do not divide fails deep in DTensor's matmuls.
+    tp_size = tp_mesh.size()
     for name, style in block_plan.items():
         dim = 0 if isinstance(style, ColwiseParallel) else 1 if isinstance(style, RowwiseParallel) else None
         width = None if dim is None else blocks[0].get_submodule(name).weight.shape[dim]

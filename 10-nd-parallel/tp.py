@@ -58,7 +58,7 @@ def norm_plan(block, config) -> dict:
     return plan
 
 
-def check_plan(model, blocks, root_plan: dict, block_plan: dict, tp_size: int) -> None:
+def check_plan(model, blocks, root_plan: dict, block_plan: dict, tp_mesh) -> None:
     """Refuses a plan that names a module the model lacks, a module the plan does not know, or a
     width it cannot split evenly over the tp ranks (the MLP's intermediate size, say)."""
     missing = [n for n in root_plan if not has_module(model, n)]
@@ -74,6 +74,7 @@ def check_plan(model, blocks, root_plan: dict, block_plan: dict, tp_size: int) -
         raise SystemExit(f"error: --tp-size: apply_tp's plan does not know these modules of the model: {unknown}")
     # A column-wise layer splits its outputs, a row-wise one its inputs (the vocabulary's split, the
     # root's, may be uneven: DTensor's); a width they do not divide fails deep in DTensor's matmuls.
+    tp_size = tp_mesh.size()
     for name, style in block_plan.items():
         dim = 0 if isinstance(style, ColwiseParallel) else 1 if isinstance(style, RowwiseParallel) else None
         width = None if dim is None else blocks[0].get_submodule(name).weight.shape[dim]
@@ -86,14 +87,14 @@ def check_plan(model, blocks, root_plan: dict, block_plan: dict, tp_size: int) -
 
 
 
-def experts_tp_plan(model, block, blocks, root_plan: dict, block_plan: dict, tp_size: int) -> dict:
+def experts_tp_plan(model, block, blocks, root_plan: dict, block_plan: dict, tp_mesh) -> dict:
     """A block's TP plan, checked (check_plan: it names every module of the block): chapter 05's for
     a dense block; for one whose MLP is a mixture of experts, attention and norms as 05's, and the
     MoE block on this rank's tokens (sequence parallel's 1/tp of them, neither gathered nor
     scattered): its router and shared experts whole on each tp rank (their gradients summed over
     tp: experts.reduce_expert_grads), its experts on their ep ranks (apply_expert_parallel)."""
     if not common.experts_modules(block):
-        check_plan(model, [block, *blocks], root_plan, block_plan, tp_size)  # this block's modules
+        check_plan(model, [block, *blocks], root_plan, block_plan, tp_mesh)  # this block's modules
         return block_plan
     plan = {name: style for name, style in block_plan.items() if not name.startswith("mlp")}
     plan["mlp"] = PrepareModuleInputOutput(
@@ -102,7 +103,7 @@ def experts_tp_plan(model, block, blocks, root_plan: dict, block_plan: dict, tp_
     )  # fmt: skip
     mlp = block.get_submodule("mlp")
     whole = {f"mlp.{n}": None for n, part in mlp.named_modules() if list(part.parameters(False))}
-    check_plan(model, [block, *blocks], root_plan, plan | whole, tp_size)  # this block's modules
+    check_plan(model, [block, *blocks], root_plan, plan | whole, tp_mesh)  # this block's modules
     return plan
 
 

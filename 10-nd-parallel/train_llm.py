@@ -499,7 +499,7 @@ def apply_tp(model, blocks, tp_mesh):
     parallelize_module(model, tp_mesh, root_plan)
     for block in blocks:
         # A MoE block's router and experts are not split over tp: each rank routes its own tokens.
-        plan = tp.experts_tp_plan(model, block, blocks, root_plan, block_plan, tp_mesh.size())
+        plan = tp.experts_tp_plan(model, block, blocks, root_plan, block_plan, tp_mesh)
         parallelize_module(block, tp_mesh, plan)
     if model.config.tie_word_embeddings:
         # Both split alike over the vocabulary (dim 0), but into two new parameters: tie them again.
