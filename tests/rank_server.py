@@ -40,9 +40,14 @@ import torch.distributed.fsdp  # noqa: E402,F401
 import torch.distributed.pipelining  # noqa: E402,F401
 import torch.distributed.tensor.parallel  # noqa: E402,F401
 import transformers  # noqa: E402,F401
+import wandb.sdk.launch.inputs.internal  # noqa: E402,F401  (what wandb.init imports: ~4 s on 2 cores)
+from transformers import modeling_layers  # noqa: E402,F401
+from transformers.integrations import sdpa_attention  # noqa: E402,F401
 from transformers.models.llama import modeling_llama  # noqa: E402,F401
 
 import common  # noqa: E402,F401
+import common.cpu_ring_attention  # noqa: E402,F401
+import common.published  # noqa: E402,F401
 
 gc.freeze()  # the imports' objects are shared with every fork, untouched (no copy of their pages)
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")

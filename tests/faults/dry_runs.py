@@ -23,8 +23,14 @@ import torch.distributed.checkpoint
 import torch.distributed.pipelining  # noqa: F401
 import transformers  # noqa: F401
 import wandb  # noqa: F401
+import wandb.sdk.launch.inputs.internal  # noqa: F401  (what wandb.init imports: ~4 s on 2 cores)
+from transformers import modeling_layers  # noqa: F401
+from transformers.integrations import sdpa_attention  # noqa: F401
 
 import common  # noqa: F401
+import common.cpu_ring_attention  # noqa: F401
+import common.published  # noqa: F401
+import tools.memory  # noqa: F401  (dry_run.py's fake kernels and even splits)
 
 TIMEOUT = 240  # seconds for one command
 
