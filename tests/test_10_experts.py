@@ -4,7 +4,7 @@ loss, gradient norm and validation loss, the experts' load per layer, and the fi
 1e-5 of chapter 09's (which chapter 09's own tests hold equal to chapter 04's).
 
 The tiny Qwen3-MoE (4 blocks of 8 experts) without its balancing loss (chapter 10 refuses it:
-dims.check_experts), on 4 ranks at pp 2 x ep 2 (2 micro-steps of accumulation, full activation
+experts.check_composed), on 4 ranks at pp 2 x ep 2 (2 micro-steps of accumulation, full activation
 checkpointing, compiled), tp 2 x ep 2 (each tp rank routing its own tokens, the experts not split
 over tp), cp 2 x ep 2 and, resumed from the first's checkpoint, tp 2 x ep 4 (ep across the dp
 ranks); on 8 ranks pp 2 x tp 2 x ep 2 (dp 2). A tiny DeepSeek-V3 (a dense block, then 3 of experts;

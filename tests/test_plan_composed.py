@@ -400,7 +400,7 @@ def test_deepseek_v3_671b_on_torchtitans_layout_by_hand(capsys, tmp_path):
 )  # fmt: skip
 def test_the_planner_refuses_the_experts_chapter_10_refuses(argv, words):
     """ep must divide the ranks of a stage that shard or split its weights, dp_shard x cp x tp
-    (dims.check_layout), and the experts of a layer (experts.check_model): tiny_moe's 8."""
+    (dims.check_sizes), and the experts of a layer (experts.check_model): tiny_moe's 8."""
     from tools.plan import main
 
     with pytest.raises(SystemExit) as exit:

@@ -943,7 +943,7 @@ def test_the_composed_chapter_with_experts_sends_what_the_planner_counts(shape, 
              ("_allgather_base_", "shard"): "shard", ("_reduce_scatter_base_", "shard"): "shard",
              ("_allgather_base_", "efsdp"): "efsdp", ("_reduce_scatter_base_", "efsdp"): "efsdp",
              ("all_gather_into_tensor", "tp"): "tp", ("reduce_scatter_tensor", "tp"): "tp",
-             ("allreduce_", "tp"): "tp",  # the routers' gradients (dims.reduce_expert_grads)
+             ("allreduce_", "tp"): "tp",  # the routers' gradients (experts.reduce_expert_grads)
              ("all_reduce", "tp"): "norms"}  # DTensor's, of the sequence-parallel norms' gradients
     by = collections.Counter()
     for (op, ranks, _), sent_bytes in sent.by.items():

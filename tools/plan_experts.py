@@ -103,7 +103,7 @@ def stage_experts(m: dict, layout: Layout, blocks: list[int], tokens: int, compu
 def check_composed_experts(m: dict, layout: Layout) -> str | None:
     """Why chapter 10 cannot split the model's experts over --ep-size ranks of `layout` (a
     pipeline), or None: ep must divide the ranks that shard or split a stage's weights, dp_shard x
-    cp x tp (dims.check_layout), and the experts of a layer (experts.check_model)."""
+    cp x tp (dims.check_sizes), and the experts of a layer (experts.check_model)."""
     flag, stage_ranks = f"--ep-size {layout.ep}", shard_ranks(layout) * layout.tp
     if not m["moe_layers"]:
         return f"{flag}: a dense model (no layer of routed experts): EP needs a mixture of experts"
