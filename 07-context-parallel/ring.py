@@ -1,8 +1,7 @@
 """What the ring can run, checked before anything is split, and the attention function it calls.
 
-Chapter 07's guards, beside its script as chapter 08's pipeline.py is beside its own: a --cp-size the
-ranks and the rows can be split by, rows with no mask, and a model whose attention torch's ring
-attention can run."""
+Chapter 07's guards, beside its script: a --cp-size the ranks and the rows can be split by, rows with
+no mask, and a model whose attention torch's ring attention can run."""
 
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward

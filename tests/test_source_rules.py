@@ -173,3 +173,18 @@ def test_no_assert_in_what_a_fork_runs():
     found = [f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}"
              for path in sources() for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Assert)]
     assert not found, "\n".join(found)
+
+
+def test_no_chapter_names_a_later_one():
+    """No chapter holds code for a later one: its modules and script name no later chapter (a branch,
+    a parameter or a comment for chapter 10 in chapter 08's module would be chapter 10's lesson)."""
+    import re
+
+    found = []
+    for path in sorted(REPO.glob("[0-9][0-9]-*/*.py")):
+        number = int(path.parent.name[:2])
+        for line_number, line in enumerate(path.read_text().splitlines(), 1):
+            later = [n for n in re.findall(r"\b[Cc]hapters? (\d\d)\b|\((\d\d)\)", line) for n in n if n]
+            if any(int(n) > number for n in later):
+                found.append(f"{path.relative_to(REPO)}:{line_number}: {line.strip()}")
+    assert not found, "\n".join(found)
