@@ -47,7 +47,9 @@ from transformers.models.llama import modeling_llama  # noqa: E402,F401
 
 import common  # noqa: E402,F401
 import common.cpu_ring_attention  # noqa: E402,F401
-import common.published  # noqa: E402,F401
+
+# Not common.published: it reads EXPORT_FILE_BYTES from the environment as it is imported (a run's
+# own), and the tests' faults patch it as the chapter imports it (tests/faults/faults.py).
 
 gc.freeze()  # the imports' objects are shared with every fork, untouched (no copy of their pages)
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
