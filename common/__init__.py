@@ -1,4 +1,5 @@
-"""What every chapter shares, one purpose per module: args (flags), data, model,
+"""What every chapter shares, one purpose per module: args (flags), data (and chat: conversations),
+model,
 activation_checkpointing, checkpoints, async_checkpoints, signals (stopping), distributed, logs,
 timers (phases, stragglers), metrics (memory, FLOPs, the NaN guard)."""
 

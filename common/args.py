@@ -45,6 +45,13 @@ def export_folder(text):
     return text
 
 
+def chat_template(text):
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file (a Jinja chat template)")
+    return path.read_text()
+
+
 def base_parser(doc: str, script: str) -> ArgumentParser:
     """The flags every chapter has. The folder of `script` names the default run: never mixed."""
     parser = ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,3 +91,4 @@ def base_parser(doc: str, script: str) -> ArgumentParser:
     add("--export-hf", type=export_folder, help="at the end, write a from_pretrained folder here")
     add("--export-dtype", choices=["bfloat16", "float16", "float32"], help="default: the config's")
     return parser
+

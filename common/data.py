@@ -1,4 +1,5 @@
-"""Loading a text dataset, packing it into fixed-length rows, holding rows out for validation."""
+"""Loading a dataset of text or of conversations, packing it into fixed-length rows (each document
+attending to itself only, where asked), holding rows out for validation."""
 
 import math
 import os
@@ -8,6 +9,8 @@ from pathlib import Path
 import datasets
 import numpy as np
 import torch
+
+from common import chat
 
 from common.logs import first_line
 
@@ -19,15 +22,38 @@ _BUILDERS |= {".txt": "text", ".arrow": "arrow"}
 
 
 def load_and_pack(
-    dataset_name: str, tokenizer, seq_length: int, val_fraction: float, min_val_rows: int = 1
+    dataset_name: str,
+    tokenizer,
+    seq_length: int,
+    val_fraction: float,
+    min_val_rows: int = 1,
+    train_on: str | None = None,
+    document_masking: bool | None = None,
 ):
-    """(train, validation) rows of `seq_length` tokens from the `text` column of a Hub dataset, a
-    local folder of json/jsonl/parquet/csv/txt files, or one such file: documents end with EOS,
-    concatenated (no padding), cached by `datasets` as int32. Validation: the `validation` (or
-    `test`) split, else the last `val_fraction` of the rows (None when 0), at least `min_val_rows`
-    (one evaluation batch on all ranks: 1% of a small dataset can be fewer rows than that)."""
+    """(train, validation) rows of `seq_length` tokens from a Hub dataset, a local folder of
+    json/jsonl/parquet/csv/txt files, or one such file, cached by `datasets` as int32. A `text`
+    column: documents end with EOS, concatenated (no padding). A `messages` column (or `prompt` and
+    `completion`): conversations through the tokenizer's chat template, only the assistant's tokens
+    trained unless `train_on` is "all" (common/chat.py), whole in a row; refused where `train_on`
+    is None (a chapter that trains text only). With `document_masking`
+    (the default for conversations) rows hold position ids restarting at each document, from which
+    transformers builds a block-causal mask: a document attends to itself only. Validation: the
+    `validation` (or `test`) split, else the last `val_fraction` of the rows (None when 0), at least
+    `min_val_rows` (one evaluation batch on all ranks: 1% of a small dataset can be fewer rows)."""
     splits = _load(dataset_name)
-    packed = {n: _pack(s, n, dataset_name, tokenizer, seq_length) for n, s in splits.items()}
+    kind = chat.kind(splits["train"], dataset_name)
+    if kind != "text" and train_on is None:
+        raise SystemExit(
+            f"error: --dataset-name {dataset_name!r} holds conversations ({kind}): this chapter trains on "
+            "a 'text' column only (tools.prepare packs conversations: --train-on)"
+        )
+    masking = kind != "text" if document_masking is None else document_masking
+    packing = dict(tokenizer=tokenizer, seq_length=seq_length, masking=masking)
+    if kind == "text":
+        packed = {n: _pack(s, n, dataset_name, **packing) for n, s in splits.items()}
+    else:
+        packing["train_on"] = train_on
+        packed = {n: chat.pack(s, n, dataset_name, **packing).with_transform(_rows) for n, s in splits.items()}
     train, rows = packed["train"], f"rows of {seq_length} tokens"
     val_split = "validation" if "validation" in packed else "test"
     val = packed.get(val_split)
@@ -86,12 +112,15 @@ def _load(dataset_name: str) -> dict:
     return {name: s for name, s in splits.items() if name in ("train", "validation", "test")}
 
 
-def _pack(data, split, dataset_name, tokenizer, seq_length):
+def _pack(data, split, dataset_name, tokenizer, seq_length, masking=False):
     flag = f"--dataset-name {dataset_name!r}"
     if len(data) == 0:
         raise SystemExit(f"error: {flag}: its {split} split is empty")
     if "text" not in data.column_names:
-        raise SystemExit(f"error: {flag} has no 'text' column (columns: {data.column_names})")
+        raise SystemExit(
+            f"error: {flag} has no 'text' column, nor 'messages' or 'prompt' and 'completion' (columns: "
+            f"{data.column_names})"
+        )
     if data.features["text"] != datasets.Value("string"):
         raise SystemExit(f"error: {flag}: its 'text' column holds {data.features['text']}, not str")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -110,9 +139,14 @@ def _pack(data, split, dataset_name, tokenizer, seq_length):
         stream = np.insert(tokens, np.cumsum(lengths), tokenizer.eos_token_id)
         # The tail shorter than seq_length is dropped: less than one row per batch of documents.
         rows = len(stream) // seq_length
-        return {"input_ids": stream[: rows * seq_length].reshape(-1, seq_length)}
+        packed = {"input_ids": stream[: rows * seq_length].reshape(-1, seq_length)}
+        if masking:  # each document's positions from 0 (and each row's: a document cut at its start)
+            starts = np.cumsum(lengths + 1) - (lengths + 1)
+            packed["position_ids"] = document_positions(starts, rows, seq_length)
+        return packed
 
     row = datasets.Sequence(datasets.Value("int32"), length=seq_length)
+    features = {"input_ids": row} | ({"position_ids": row} if masking else {})
     try:
         data = data.map(
             tokenize_and_pack,
@@ -122,7 +156,7 @@ def _pack(data, split, dataset_name, tokenizer, seq_length):
             batch_size=max(1000, seq_length // 8),
             with_indices=True,
             remove_columns=data.column_names,
-            features=datasets.Features({"input_ids": row}),
+            features=datasets.Features(features),
             num_proc=num_proc if num_proc > 1 else None,
             desc=f"Tokenizing and packing {split} into rows of {seq_length} tokens",
         )
@@ -135,6 +169,17 @@ def _pack(data, split, dataset_name, tokenizer, seq_length):
     return data.with_transform(_rows)
 
 
+def document_positions(starts, rows: int, seq_length: int) -> np.ndarray:
+    """(rows, seq_length) int32 position ids of a stream cut into rows, where documents begin at the
+    sorted offsets `starts`: each token's distance from its document's start or its row's start."""
+    offsets = np.arange(rows * seq_length)
+    begun = np.maximum(starts[np.searchsorted(starts, offsets, side="right") - 1], 0)
+    row_start = offsets // seq_length * seq_length
+    return (offsets - np.maximum(begun, row_start)).astype(np.int32).reshape(rows, seq_length)
+
+
 def _rows(batch: dict) -> dict:
-    input_ids = torch.tensor(np.asarray(batch["input_ids"]), dtype=torch.long)
-    return {"input_ids": input_ids, "labels": input_ids}  # the model shifts the labels
+    rows = {name: torch.tensor(np.asarray(ids), dtype=torch.long) for name, ids in batch.items()}
+    input_ids = rows.pop("input_ids")
+    # Text trains every token: its labels are its tokens (the model shifts the labels).
+    return {"input_ids": input_ids, "labels": rows.pop("labels", input_ids), **rows}

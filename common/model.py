@@ -22,8 +22,9 @@ DEFAULT_MOE_MODEL = str(Path(__file__).parent / "tiny_moe")
 MIN_TRANSFORMERS = "5.0"
 
 
-def load_config_and_tokenizer(model_name: str, seq_length: int):
-    """`AutoConfig` and `AutoTokenizer`, checked for what training needs."""
+def load_config_and_tokenizer(model_name: str, seq_length: int, chat_template: str | None = None):
+    """`AutoConfig` and `AutoTokenizer`, checked for what training needs; the tokenizer with
+    `chat_template` (--chat-template's) where given, which an export then saves with it."""
     if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
         raise SystemExit(
             f"error: transformers {transformers.__version__} is installed; the chapters need "
@@ -62,6 +63,8 @@ def load_config_and_tokenizer(model_name: str, seq_length: int):
         )
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"error: {flag}: its tokenizer has no EOS token to end each document with")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return config, tokenizer
 
 

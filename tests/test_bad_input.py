@@ -91,7 +91,7 @@ def write(path, text: str | bytes):
         ),
         (
             lambda d: write(d / "data" / "train.jsonl", '{"prompt": "hi"}\n'),
-            "has no 'text' column (columns: ['prompt'])",
+            "has no 'text' column, nor 'messages' or 'prompt' and 'completion' (columns: ['prompt'])",
         ),
         (lambda d: write(d / "data" / "train.jsonl", '{"text": "hi"}\n'), "fewer than --seq-length 16 tokens"),
         (lambda d: (d / "data").mkdir() or "data/missing", "no such file or folder"),

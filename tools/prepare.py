@@ -12,7 +12,7 @@ import argparse
 import os
 import time
 
-from common.args import fraction, seq_length
+from common.args import chat_template, fraction, seq_length
 from common.data import DEFAULT_DATASET, load_and_pack
 from common.model import DEFAULT_MODEL, load_config_and_tokenizer
 
@@ -23,11 +23,18 @@ def main(argv=None) -> None:
     parser.add_argument("--dataset-name", default=DEFAULT_DATASET, help="Hub dataset name, local folder or file")
     parser.add_argument("--seq-length", type=seq_length, default=128)
     parser.add_argument("--val-fraction", type=fraction, default=0.01, help="as the training job will pass it")
+    # Conversations: as the training job will pass them (the cache is keyed by them too).
+    parser.add_argument("--train-on", choices=["assistant", "all"], default="assistant")
+    parser.add_argument("--document-masking", action=argparse.BooleanOptionalAction)
+    parser.add_argument("--chat-template", type=chat_template, help="a Jinja chat template file")
     args = parser.parse_args(argv)
 
-    _, tokenizer = load_config_and_tokenizer(args.model_name, args.seq_length)
+    _, tokenizer = load_config_and_tokenizer(args.model_name, args.seq_length, args.chat_template)
     start = time.perf_counter()
-    train, val = load_and_pack(args.dataset_name, tokenizer, args.seq_length, args.val_fraction)
+    train, val = load_and_pack(
+        args.dataset_name, tokenizer, args.seq_length, args.val_fraction,
+        train_on=args.train_on, document_masking=args.document_masking,
+    )  # fmt: skip
     seconds = time.perf_counter() - start
     rows = len(train) + (len(val) if val is not None else 0)
     files = {f["filename"] for split in [train, val] if split is not None for f in split.cache_files}
