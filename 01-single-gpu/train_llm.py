@@ -47,24 +47,22 @@ def main():
     # --- 2. Config and tokenizer ---
     # Everything that can fail on bad input happens before anything is written.
     common.check_save_dir(args.save_dir)
-    config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
+    config, tokenizer = common.load_config_and_tokenizer(
+        args.model_name, args.seq_length, args.chat_template
+    )
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
     # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
-    # --- 3. Data: tokenized, packed into rows, validation rows held out ---
+    # --- 3. Data: text or conversations, tokenized, packed into rows, validation rows held out ---
     train_data, val_data = common.load_and_pack(
-        args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=args.batch_size
-    )
+        args.dataset_name, tokenizer, args.seq_length, args.val_fraction,
+        min_val_rows=args.batch_size,
+        train_on=args.train_on, document_masking=args.document_masking,
+    )  # fmt: skip
     # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows.
     global_batch_rows = args.batch_size * args.grad_accum_steps
-    steps_per_epoch = len(train_data) // global_batch_rows
-    if steps_per_epoch == 0:
-        raise SystemExit(
-            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} "
-            f"({global_batch_rows} rows a step) is larger than the dataset ({len(train_data)} training "
-            f"rows of {args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
-        )
+    steps_per_epoch = common.steps_per_epoch(train_data, global_batch_rows, args)  # or refused
     total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
@@ -202,14 +200,16 @@ def main():
 def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, device):
     """One optimizer step on --grad-accum-steps micro-batches: loss and gradient norm, on device."""
     step_loss = 0.0
-    for _ in range(args.grad_accum_steps):
-        with timers("data"):
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-
+    with timers("data"):
+        host = [next(batches) for _ in range(args.grad_accum_steps)]  # counted before the copy
+        # Rows train different numbers of tokens: each micro-batch's summed loss over the step's
+        # count sums to the step's mean over its tokens (not a mean of the micro-batches' means).
+        num_items = common.num_items_in_batch(host, device)
+        micro_batches = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in host]
+    for batch in micro_batches:
         with timers("forward"), autocast():
             # No KV cache: only generation needs it; its per-layer state makes compile recompile.
-            # Divided by their count, micro-batch losses sum to gradients of the step's mean loss.
-            loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
+            loss = model(**batch, use_cache=False, num_items_in_batch=num_items).loss
 
         with timers("backward"):
             loss.backward()
@@ -259,17 +259,21 @@ def export_hf(model, config, tokenizer, folder, dtype):
 
 
 def evaluate(model, val_data, args, device, autocast) -> float:
-    """The mean loss over the first --eval-batches global batches of the validation rows, without
-    gradients. It draws no random numbers, so training after it goes on exactly as without it."""
+    """The mean loss over the trained tokens of the first --eval-batches global batches of the
+    validation rows, without gradients. It draws no random numbers, so training after it goes on
+    exactly as without it."""
     global_batch = args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
+    batches = list(DataLoader(rows, batch_size=args.batch_size))
+    num_items = common.num_items_in_batch(batches, device)  # as in training: one count for all
     total = torch.zeros((), device=device)
     model.eval()
     with torch.no_grad(), autocast():
-        for batch in DataLoader(rows, batch_size=args.batch_size):
-            total += model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).loss.float()
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            total += model(**batch, use_cache=False, num_items_in_batch=num_items).loss.float()
     model.train()
-    return total.item() / (len(rows) // args.batch_size)
+    return total.item()
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep):

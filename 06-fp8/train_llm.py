@@ -97,7 +97,9 @@ def main():
     # Everything that can fail on bad input happens before anything is written.
     common.check_save_dir(args.save_dir)
     with common.rank0_first(local=args.node_local_cache):
-        config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
+        config, tokenizer = common.load_config_and_tokenizer(
+            args.model_name, args.seq_length, args.chat_template
+        )
         # --from-pretrained: the published safetensors, downloaded once per node (or a folder's).
         weights = published.pretrained_weights(args.model_name, config) if args.from_pretrained else None
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
@@ -106,20 +108,16 @@ def main():
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
     tp.check_tp_size(args.tp_size, config, args.seq_length)  # whole heads and whole tokens per rank
 
-    # --- 3. Data: tokenized, packed into rows, validation rows held out ---
+    # --- 3. Data: text or conversations, tokenized, packed into rows, validation rows held out ---
     with common.rank0_first(local=args.node_local_cache):
         train_data, val_data = common.load_and_pack(
-            args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=dp_size * args.batch_size
-        )
+            args.dataset_name, tokenizer, args.seq_length, args.val_fraction,
+            min_val_rows=dp_size * args.batch_size,
+            train_on=args.train_on, document_masking=args.document_masking,
+        )  # fmt: skip
     # An optimizer step is --grad-accum-steps micro-batches of --batch-size rows on each dp rank.
     global_batch_rows = dp_size * args.batch_size * args.grad_accum_steps
-    steps_per_epoch = len(train_data) // global_batch_rows
-    if steps_per_epoch == 0:
-        raise SystemExit(
-            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} "
-            f"({global_batch_rows} rows a step) is larger than the dataset ({len(train_data)} training "
-            f"rows of {args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
-        )
+    steps_per_epoch = common.steps_per_epoch(train_data, global_batch_rows, args)  # or refused
     total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
@@ -286,20 +284,23 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
     """Every rank calls this: one optimizer step on --grad-accum-steps micro-batches: loss and
     gradient norm, on device."""
     step_loss = 0.0
-    for micro_step in range(args.grad_accum_steps):
+    with timers("data"):
+        host = [next(batches) for _ in range(args.grad_accum_steps)]  # counted before the copy
+        # Rows train different numbers of tokens: each micro-batch's summed loss over the step's
+        # count sums to the step's mean over its tokens (not a mean of the micro-batches' means).
+        num_items = common.all_reduce_mean(common.num_items_in_batch(host, device))
+        micro_batches = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in host]
+    for micro_step, batch in enumerate(micro_batches):
         # FSDP reduce-scatters micro-step gradients into the sharded sum: DDP's no-sync would keep a
         # full fp32 gradient per rank (30 GiB at 8B). Only HSDP's all-reduce awaits the last one.
         model.set_requires_all_reduce(micro_step == args.grad_accum_steps - 1)
-        with timers("data"):
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-
         # loss_parallel: logits stay split over the vocabulary; cross-entropy combines the tp ranks'
         # parts ungathered: full-vocabulary logits are a small model's largest activation.
         with timers("forward"), autocast(), loss_parallel():
             # No KV cache: only generation needs it; its per-layer state makes compile recompile.
-            logits = model(input_ids=batch["input_ids"], use_cache=False).logits
-            # Divided by their count, micro-batch losses sum to gradients of the step's mean loss.
-            loss = next_token_loss(logits, batch["labels"]) / args.grad_accum_steps
+            # Positions too where rows hold them (documents apart); no labels: the loss is ours.
+            logits = model(**(batch | {"labels": None}), use_cache=False).logits
+            loss = next_token_loss(logits, batch["labels"], num_items)
             # Backward needs the loss's fp32 log-probabilities, not logits: freed now, not after it.
             del logits
 
@@ -307,8 +308,7 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
             loss.backward()
         step_loss += loss.detach()
     # Each rank trained on other rows: the job's loss is their mean (one number, no GPU wait).
-    dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
-    step_loss /= dist.get_world_size()
+    step_loss = common.all_reduce_mean(step_loss)
 
     with timers("optimizer"):
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -339,9 +339,8 @@ def send_full_weights(model, full_model, device):
     """Every rank calls this: rank 0's full weights (`full_model`, else None), sent per tensor into
     every rank's shards."""
     rank = dist.get_rank()
-    full_state = full_model.state_dict() if rank == 0 else {}
-    if rank == 0:  # TE's layers have an extra state (FP8 metadata; none yet) that HF's lack
-        full_state |= torchao_fp8.extra_state(model)
+    # TE's layers have an extra state (FP8 metadata; none yet) that HF's lack.
+    full_state = full_model.state_dict() | torchao_fp8.extra_state(model) if rank == 0 else {}
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     # Non-state-dict buffers (rotary frequencies) are sent too, to the device (to_empty: maybe CPU).
     for name, buffer in model.named_buffers():
@@ -452,13 +451,14 @@ def apply_tp(model, blocks, tp_mesh, fp8_all_gather):
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def next_token_loss(logits, labels):
+def next_token_loss(logits, labels, num_items):
     """Every rank calls this (under loss_parallel, the cross-entropy all-reduces over tp): chapter
-    01's loss (HF's from labels): mean fp32 cross-entropy of next-token predictions."""
+    01's loss (HF's from labels): fp32 cross-entropy of next-token predictions, summed and divided
+    by the step's count of them (`num_items`, common.num_items_in_batch); labels -100 ignored."""
     labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
     # Under loss_parallel, equal on every tp rank: its local copy, which backward goes through.
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+    return (loss.to_local() if isinstance(loss, DTensor) else loss) / num_items
 
 
 def init_distributed(args, device_type, local_rank):
@@ -498,9 +498,8 @@ def init_wandb(args, exp_dir, run_id):
 
 def export_hf(model, config, tokenizer, folder, dtype):
     """Every rank calls this: writes a folder that `from_pretrained` and vLLM load, in `dtype`: each
-    rank writes its own shards (DCP's Hugging Face writer), then every rank merges some of the
-    published files from them, a tensor at a time (published.exporting); config and tokenizer beside
-    them."""
+    rank writes its shards (DCP's Hugging Face writer), then every rank merges some of the published
+    files from them, a tensor at a time (published.exporting); config and tokenizer beside them."""
     state = published.published_state(model, torchao_fp8.weights_only(get_model_state_dict(model)), dtype)
     files = published.agree_on_file_index(state)  # which tensor goes in which published file
     with published.exporting(folder, files) as tmp:  # merged, then published whole
@@ -514,22 +513,24 @@ def export_hf(model, config, tokenizer, folder, dtype):
 
 
 def evaluate(model, val_data, args, device, autocast, dp_size, dp_rank) -> float:
-    """Every rank calls this: the mean loss over the first --eval-batches global batches of the
-    validation rows, without gradients. It draws no random numbers, so training after it goes on
-    exactly as without it."""
+    """Every rank calls this: the mean loss over the trained tokens of the first --eval-batches
+    global batches of the validation rows, without gradients. It draws no random numbers, so
+    training after it goes on exactly as without it."""
     global_batch = dp_size * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
-    # Each dp rank takes every dp_size-th row; the sum of the batches' mean losses is all-reduced.
+    # Each dp rank takes every dp_size-th row; the ranks' sums over one count are all-reduced.
     sampler = DistributedSampler(rows, dp_size, dp_rank, shuffle=False)
+    batches = list(DataLoader(rows, sampler=sampler, batch_size=args.batch_size))
+    num_items = common.all_reduce_mean(common.num_items_in_batch(batches, device))
     total = torch.zeros((), device=device)
     model.eval()
     with torch.no_grad(), autocast(), loss_parallel():
-        for batch in DataLoader(rows, sampler=sampler, batch_size=args.batch_size):
-            logits = model(input_ids=batch["input_ids"].to(device), use_cache=False).logits
-            total += next_token_loss(logits, batch["labels"].to(device))
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            logits = model(**(batch | {"labels": None}), use_cache=False).logits
+            total += next_token_loss(logits, batch["labels"], num_items)
     model.train()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total.item() / (len(rows) // args.batch_size * args.tp_size)  # each tp rank adds it
+    return common.all_reduce_mean(total).item()  # each tp rank's is counted: the same
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):

@@ -95,7 +95,9 @@ def main():
     # Everything that can fail on bad input happens before anything is written.
     common.check_save_dir(args.save_dir)
     with common.rank0_first(local=args.node_local_cache):
-        config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
+        config, tokenizer = common.load_config_and_tokenizer(
+            args.model_name, args.seq_length, args.chat_template
+        )
         # --from-pretrained: the published safetensors, downloaded once per node (or a folder's).
         weights = published.pretrained_weights(args.model_name, config) if args.from_pretrained else None
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
@@ -103,20 +105,17 @@ def main():
     # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
-    # --- 3. Data: tokenized, packed into rows, validation rows held out ---
+    # --- 3. Data: text or conversations, tokenized, packed into rows, validation rows held out ---
     with common.rank0_first(local=args.node_local_cache):
         train_data, val_data = common.load_and_pack(
-            args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=dp_size * args.batch_size
-        )
+            args.dataset_name, tokenizer, args.seq_length, args.val_fraction,
+            min_val_rows=dp_size * args.batch_size,
+            train_on=args.train_on, document_masking=args.document_masking,
+        )  # fmt: skip
+    ring.check_batch(train_data[:1], args.cp_size)  # rows the ring can take, before the model
     # An optimizer step is --grad-accum-steps micro-batches of --batch-size rows on each dp rank.
     global_batch_rows = dp_size * args.batch_size * args.grad_accum_steps
-    steps_per_epoch = len(train_data) // global_batch_rows
-    if steps_per_epoch == 0:
-        raise SystemExit(
-            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} "
-            f"({global_batch_rows} rows a step) is larger than the dataset ({len(train_data)} training "
-            f"rows of {args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
-        )
+    steps_per_epoch = common.steps_per_epoch(train_data, global_batch_rows, args)  # or refused
     total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
@@ -280,7 +279,15 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
     """Every rank calls this: one optimizer step on --grad-accum-steps micro-batches: loss and
     gradient norm, on device."""
     step_loss = 0.0
-    for micro_step in range(args.grad_accum_steps):
+    with timers("data"):
+        host = [next(batches) for _ in range(args.grad_accum_steps)]  # counted before the copy
+        # Rows train different numbers of tokens: each micro-batch's summed loss over the step's
+        # count sums to the step's mean over its tokens (not a mean of the micro-batches' means).
+        num_items = common.all_reduce_mean(common.num_items_in_batch(host, device))
+        # A cp rank counts its rows whole but trains a slice of each: the count per cp rank.
+        num_items = num_items / args.cp_size
+        micro_batches = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in host]
+    for micro_step, batch in enumerate(micro_batches):
         # FSDP reduce-scatters micro-step gradients into the sharded sum: DDP's no-sync would keep a
         # full fp32 gradient per rank (30 GiB at 8B). Only HSDP's all-reduce awaits the last one.
         model.set_requires_all_reduce(micro_step == args.grad_accum_steps - 1)
@@ -288,21 +295,18 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
         # and values' gradients around the ring too: entered here, closed after backward.
         in_ring = contextlib.ExitStack()
         with timers("data"):
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
             batch = in_ring.enter_context(shard_sequences(batch, cp_mesh["cp"]))
 
         with timers("forward"), autocast():
             # No KV cache: only generation needs it; its per-layer state makes compile recompile.
-            # Divided by their count, micro-batch losses sum to gradients of the step's mean loss.
-            loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
+            loss = model(**batch, use_cache=False, num_items_in_batch=num_items).loss
 
         with timers("backward"):
             loss.backward()
         in_ring.close()
         step_loss += loss.detach()
     # Each rank trained on other rows: the job's loss is their mean (one number, no GPU wait).
-    dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
-    step_loss /= dist.get_world_size()
+    step_loss = common.all_reduce_mean(step_loss)
 
     with timers("optimizer"):
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -362,10 +366,8 @@ def shard_sequences(batch, cp_mesh):
     the head chunk r and the tail chunk 2cp-1-r (the causal work even), with SDPA as ring attention
     meanwhile. The labels are shifted on the whole row first: a slice's last token predicts the next
     slice's first. Position ids are cut alike, or each slice would be rotated as positions 0, 1, ...
-    Each rank's loss is its tokens' loss sum over its share of the rows' tokens (a rank's count
-    differs: the row's last token predicts nothing). Their mean over a cp group is then the rows'
-    mean loss, and FSDP, averaging gradients over all ranks, cp ranks included, averages over
-    the dp ranks the gradients of their rows' mean: chapter 04's."""
+    Each rank's loss is its slice's sum over the step's count per rank (train_step's num_items):
+    FSDP, averaging gradients over all ranks, cp ranks included, makes chapter 04's."""
     if cp_mesh.size() == 1:  # chapter 04's step
         yield batch
         return
@@ -373,13 +375,12 @@ def shard_sequences(batch, cp_mesh):
     input_ids = batch["input_ids"]
     labels = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
     position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids).contiguous()
-    num_items = (labels != -100).sum() / cp_mesh.size()
     input_ids = input_ids.clone()  # sliced in place; the batch's labels may be the same tensor
     buffers = [input_ids, labels, position_ids]
     with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
         # HF computes the loss when given labels; shift_labels says they are shifted already.
-        yield {"input_ids": input_ids, "position_ids": position_ids, "labels": labels, "shift_labels": labels,
-               "num_items_in_batch": num_items}  # fmt: skip
+        yield {"input_ids": input_ids, "position_ids": position_ids, "labels": labels,
+               "shift_labels": labels}  # fmt: skip
 
 
 def apply_fsdp(model, blocks, mesh, mp_policy, offload_policy):
@@ -435,9 +436,8 @@ def init_wandb(args, exp_dir, run_id):
 
 def export_hf(model, config, tokenizer, folder, dtype):
     """Every rank calls this: writes a folder that `from_pretrained` and vLLM load, in `dtype`: each
-    rank writes its own shards (DCP's Hugging Face writer), then every rank merges some of the
-    published files from them, a tensor at a time (published.exporting); config and tokenizer beside
-    them."""
+    rank writes its shards (DCP's Hugging Face writer), then every rank merges some of the published
+    files from them, a tensor at a time (published.exporting); config and tokenizer beside them."""
     state = published.published_state(model, get_model_state_dict(model), dtype)  # names and dtypes
     files = published.agree_on_file_index(state)  # which tensor goes in which published file
     with published.exporting(folder, files) as tmp:  # merged, then published whole
@@ -451,23 +451,24 @@ def export_hf(model, config, tokenizer, folder, dtype):
 
 
 def evaluate(model, val_data, args, device, autocast, dp_size, dp_rank, cp_mesh) -> float:
-    """Every rank calls this: the mean loss over the first --eval-batches global batches of the
-    validation rows, without gradients. It draws no random numbers, so training after it goes on
-    exactly as without it."""
+    """Every rank calls this: the mean loss over the trained tokens of the first --eval-batches
+    global batches of the validation rows, without gradients. It draws no random numbers, so
+    training after it goes on exactly as without it."""
     global_batch = dp_size * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
-    # Each dp rank takes every dp_size-th row; the sum of the batches' mean losses is all-reduced.
+    # Each dp rank takes every dp_size-th row; the ranks' sums over one count are all-reduced.
     sampler = DistributedSampler(rows, dp_size, dp_rank, shuffle=False)
+    batches = list(DataLoader(rows, sampler=sampler, batch_size=args.batch_size))
+    num_items = common.all_reduce_mean(common.num_items_in_batch(batches, device))
+    num_items = num_items / args.cp_size  # the count per cp rank
     total = torch.zeros((), device=device)
     model.eval()
     with torch.no_grad(), autocast():
-        for batch in DataLoader(rows, sampler=sampler, batch_size=args.batch_size):
+        for batch in batches:
             with shard_sequences({k: v.to(device) for k, v in batch.items()}, cp_mesh["cp"]) as batch:
-                total += model(**batch, use_cache=False).loss.float()
+                total += model(**batch, use_cache=False, num_items_in_batch=num_items).loss.float()
     model.train()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    # Each cp rank's loss estimates its batch's mean: their sum over a cp group counts it cp times.
-    return total.item() / (len(rows) // args.batch_size * args.cp_size)
+    return common.all_reduce_mean(total).item()
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):

@@ -88,7 +88,9 @@ def main():
     # Everything that can fail on bad input happens before anything is written.
     common.check_save_dir(args.save_dir)
     with common.rank0_first(local=args.node_local_cache):
-        config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
+        config, tokenizer = common.load_config_and_tokenizer(
+            args.model_name, args.seq_length, args.chat_template
+        )
         # --from-pretrained: the published safetensors, downloaded once per node (or a folder's).
         weights = published.pretrained_weights(args.model_name, config) if args.from_pretrained else None
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
@@ -96,21 +98,17 @@ def main():
     # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
-    # --- 3. Data: tokenized, packed into rows, validation rows held out ---
+    # --- 3. Data: text or conversations, tokenized, packed into rows, validation rows held out ---
     with common.rank0_first(local=args.node_local_cache):
         train_data, val_data = common.load_and_pack(
-            args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=world_size * args.batch_size
-        )
+            args.dataset_name, tokenizer, args.seq_length, args.val_fraction,
+            min_val_rows=world_size * args.batch_size,
+            train_on=args.train_on, document_masking=args.document_masking,
+        )  # fmt: skip
     # An optimizer step is --grad-accum-steps micro-batches of --pp-size x --batch-size rows in each
     # pipeline (cut into --pp-microbatches): chapter 04's rows for as many ranks.
     global_batch_rows = world_size * args.batch_size * args.grad_accum_steps
-    steps_per_epoch = len(train_data) // global_batch_rows
-    if steps_per_epoch == 0:
-        raise SystemExit(
-            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} "
-            f"({global_batch_rows} rows a step) is larger than the dataset ({len(train_data)} training "
-            f"rows of {args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
-        )
+    steps_per_epoch = common.steps_per_epoch(train_data, global_batch_rows, args)  # or refused
     total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
@@ -294,22 +292,25 @@ def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, 
     """Every rank calls this: one optimizer step on --grad-accum-steps micro-batches: loss and
     gradient norm, on device."""
     step_loss = torch.zeros((), device=device)  # the last stage's losses; 0 on the other stages
-    for micro_step in range(args.grad_accum_steps):
-        with timers("data"):
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            # HF's loss: the mean over all pipelines' predicted tokens (labels shifted, -100
-            # ignored), however the rows are cut into micro-batches. Each one's is its sum over
-            # their count (a row counted by each pp rank).
-            num_items = (batch["labels"][:, 1:] != -100).sum() * args.grad_accum_steps
-            dist.all_reduce(num_items, op=dist.ReduceOp.SUM)
+    with timers("data"):
+        host = [next(batches) for _ in range(args.grad_accum_steps)]  # counted before the copy
+        # Rows train different numbers of tokens: each micro-batch's summed loss over the step's
+        # count sums to the step's mean over its tokens, however the schedule cuts the rows.
+        # Over every rank's rows (each pp rank counts its pipeline's: the world's size divides
+        # that out): each rank's sum over the job's count per rank, averaged.
+        num_items = common.all_reduce_mean(common.num_items_in_batch(host, device))
+        micro_batches = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in host]
+    for batch in micro_batches:
+        # Position ids, where rows hold them, go to every stage: each document kept apart.
+        positions = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
 
         with timers("pipeline"):
             # This rank's stages' forwards and backwards in the schedule's order: the first stage
             # reads the tokens, the last the labels. FSDP reduce-scatters a stage's gradients after
-            # its last backward. num_items_in_batch is per dp rank.
-            losses, loss_kwargs = [], {"num_items_in_batch": num_items / dist.get_world_size()}
+            # its last backward.
+            losses, loss_kwargs = [], {"num_items_in_batch": num_items}
             schedule.step(batch["input_ids"], target=batch["labels"], losses=losses, loss_kwargs=loss_kwargs,
-                          return_outputs=False)  # logits freed after each backward, not at step end
+                          return_outputs=False, **positions)  # logits freed after each backward
         step_loss += sum(loss.detach() for loss in losses)
     # A pipeline's loss is on its last stage (others hold 0): the sum over the world, divided by
     # the number of pipelines (the dp ranks), is the job's mean.
@@ -424,9 +425,8 @@ def init_wandb(args, exp_dir, run_id):
 
 def export_hf(model, config, tokenizer, folder, dtype):
     """Every rank calls this: writes a folder that `from_pretrained` and vLLM load, in `dtype`: each
-    rank writes its own shards (DCP's Hugging Face writer), then every rank merges some of the
-    published files from them, a tensor at a time (published.exporting); config and tokenizer beside
-    them."""
+    rank writes its shards (DCP's Hugging Face writer), then every rank merges some of the published
+    files from them, a tensor at a time (published.exporting); config and tokenizer beside them."""
     state = published.published_state(model, get_model_state_dict(model), dtype)  # names and dtypes
     files = published.agree_on_file_index(state)  # which tensor goes in which published file
     with published.exporting(folder, files) as tmp:  # merged, then published whole
@@ -440,25 +440,29 @@ def export_hf(model, config, tokenizer, folder, dtype):
 
 
 def evaluate(model, schedule, val_data, args, device, autocast, dp_size, dp_rank) -> float:
-    """Every rank calls this: the mean loss over the first --eval-batches global batches of the
-    validation rows, without gradients. It draws no random numbers, so training after it goes on
-    exactly as without it."""
+    """Every rank calls this: the mean loss over the trained tokens of the first --eval-batches
+    global batches of the validation rows, without gradients. It draws no random numbers, so
+    training after it goes on exactly as without it."""
     batch_size = args.pp_size * args.batch_size  # a pipeline's, cut into micro-batches
     global_batch = dp_size * batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
-    # Each pipeline takes every dp_size-th row; the summed micro-batch mean losses are all-reduced.
+    # Each pipeline takes every dp_size-th row; the last stages' sums over one count, all-reduced.
     sampler = DistributedSampler(rows, dp_size, dp_rank, shuffle=False)
+    batches = list(DataLoader(rows, sampler=sampler, batch_size=batch_size))
+    num_items = common.all_reduce_mean(common.num_items_in_batch(batches, device))
     total = torch.zeros((), device=device)
     model.eval()
     with torch.no_grad(), autocast():
-        for batch in DataLoader(rows, sampler=sampler, batch_size=batch_size):
-            losses = []  # the last stage's
-            schedule.eval(batch["input_ids"].to(device), target=batch["labels"].to(device), losses=losses,
-                          return_outputs=False)  # fmt: skip
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            positions = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}
+            losses, loss_kwargs = [], {"num_items_in_batch": num_items}  # the last stage's
+            schedule.eval(batch["input_ids"], target=batch["labels"], losses=losses,
+                          loss_kwargs=loss_kwargs, return_outputs=False, **positions)  # fmt: skip
             total += sum(losses)
     model.train()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total.item() / (len(rows) // batch_size * pipeline.microbatch_count(args))
+    return total.item() / dp_size  # one pipeline's last stage each
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):

@@ -89,7 +89,9 @@ def main():
     # Everything that can fail on bad input happens before anything is written.
     common.check_save_dir(args.save_dir)
     with common.rank0_first(local=args.node_local_cache):
-        config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
+        config, tokenizer = common.load_config_and_tokenizer(
+        args.model_name, args.seq_length, args.chat_template
+    )
         # --from-pretrained: the published safetensors, downloaded once per node (or a folder's).
         weights = published.pretrained_weights(args.model_name, config) if args.from_pretrained else None
     experts.check_config(config, args, dtype)  # what EP cannot take, in one line, before any build
@@ -98,20 +100,16 @@ def main():
     # Export in the model's published dtype (bf16 for most), read now: an fp32 build overwrites it.
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
-    # --- 3. Data: tokenized, packed into rows, validation rows held out ---
+    # --- 3. Data: text or conversations, tokenized, packed into rows, validation rows held out ---
     with common.rank0_first(local=args.node_local_cache):
         train_data, val_data = common.load_and_pack(
-            args.dataset_name, tokenizer, args.seq_length, args.val_fraction, min_val_rows=dp_size * args.batch_size
-        )
+            args.dataset_name, tokenizer, args.seq_length, args.val_fraction,
+            min_val_rows=dp_size * args.batch_size,
+            train_on=args.train_on, document_masking=args.document_masking,
+        )  # fmt: skip
     # An optimizer step is --grad-accum-steps micro-batches of --batch-size rows on each dp rank.
     global_batch_rows = dp_size * args.batch_size * args.grad_accum_steps
-    steps_per_epoch = len(train_data) // global_batch_rows
-    if steps_per_epoch == 0:
-        raise SystemExit(
-            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} "
-            f"({global_batch_rows} rows a step) is larger than the dataset ({len(train_data)} training "
-            f"rows of {args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
-        )
+    steps_per_epoch = common.steps_per_epoch(train_data, global_batch_rows, args)  # or refused
     total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
@@ -277,24 +275,25 @@ def train_step(model, moe_layers, batches, optimizer, lr_scheduler, args, timers
     """Every rank calls this: one optimizer step on --grad-accum-steps micro-batches: loss and
     gradient norm, on device."""
     step_loss = 0.0
-    for micro_step in range(args.grad_accum_steps):
+    with timers("data"):
+        host = [next(batches) for _ in range(args.grad_accum_steps)]  # counted before the copy
+        # Rows train different numbers of tokens: each micro-batch's summed loss over the step's
+        # count sums to the step's mean over its tokens (not a mean of the micro-batches' means).
+        num_items = common.all_reduce_mean(common.num_items_in_batch(host, device))
+        micro_batches = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in host]
+    for micro_step, batch in enumerate(micro_batches):
         # FSDP reduce-scatters micro-step gradients into the sharded sum: DDP's no-sync would keep a
         # full fp32 gradient per rank (30 GiB at 8B). Only HSDP's all-reduce awaits the last one.
         model.set_requires_all_reduce(micro_step == args.grad_accum_steps - 1)
-        with timers("data"):
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-
         with timers("forward"), autocast():
             # No KV cache: only generation needs it; its per-layer state makes compile recompile.
-            # Divided by their count, micro-batch losses sum to gradients of the step's mean loss.
-            loss = model(**batch, use_cache=False).loss / args.grad_accum_steps
+            loss = model(**batch, use_cache=False, num_items_in_batch=num_items).loss
 
         with timers("backward"):
             loss.backward()
         step_loss += loss.detach()
     # Each rank trained on other rows: the job's loss is their mean (one number, no GPU wait).
-    dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
-    step_loss /= dist.get_world_size()
+    step_loss = common.all_reduce_mean(step_loss)
 
     with timers("optimizer"):
         # An expert's gradient sums those of the tokens that ep ranks sent it, and FSDP averaged it
@@ -417,9 +416,8 @@ def init_wandb(args, exp_dir, run_id):
 
 def export_hf(model, config, tokenizer, folder, dtype):
     """Every rank calls this: writes a folder that `from_pretrained` and vLLM load, in `dtype`: each
-    rank writes its own shards (DCP's Hugging Face writer), then every rank merges some of the
-    published files from them, a tensor at a time (published.exporting); config and tokenizer beside
-    them."""
+    rank writes its shards (DCP's Hugging Face writer), then every rank merges some of the published
+    files from them, a tensor at a time (published.exporting); config and tokenizer beside them."""
     state = published.published_state(model, get_model_state_dict(model), dtype)  # names and dtypes
     files = published.agree_on_file_index(state)  # which tensor goes in which published file
     with published.exporting(folder, files) as tmp:  # merged, then published whole
@@ -433,21 +431,23 @@ def export_hf(model, config, tokenizer, folder, dtype):
 
 
 def evaluate(model, val_data, args, device, autocast, dp_size, dp_rank) -> float:
-    """Every rank calls this: the mean loss over the first --eval-batches global batches of the
-    validation rows, without gradients. It draws no random numbers, so training after it goes on
-    exactly as without it."""
+    """Every rank calls this: the mean loss over the trained tokens of the first --eval-batches
+    global batches of the validation rows, without gradients. It draws no random numbers, so
+    training after it goes on exactly as without it."""
     global_batch = dp_size * args.batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
-    # Each dp rank takes every dp_size-th row; the sum of the batches' mean losses is all-reduced.
+    # Each dp rank takes every dp_size-th row; the ranks' sums over one count are all-reduced.
     sampler = DistributedSampler(rows, dp_size, dp_rank, shuffle=False)
+    batches = list(DataLoader(rows, sampler=sampler, batch_size=args.batch_size))
+    num_items = common.all_reduce_mean(common.num_items_in_batch(batches, device))
     total = torch.zeros((), device=device)
     model.eval()
     with torch.no_grad(), autocast():
-        for batch in DataLoader(rows, sampler=sampler, batch_size=args.batch_size):
-            total += model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).loss.float()
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            total += model(**batch, use_cache=False, num_items_in_batch=num_items).loss.float()
     model.train()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total.item() / (len(rows) // args.batch_size)
+    return common.all_reduce_mean(total).item()
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):

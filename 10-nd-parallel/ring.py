@@ -23,11 +23,16 @@ def check_layout(args, world_size, shard_size):
 
 def check_batch(batch, cp_size):
     """Refuses rows that come with more than tokens and labels (an attention mask, say): the ring
-    runs causal attention over whole rows, and would train as if the extra were not there."""
+    runs causal attention over whole rows, and would train as if the extra were not there. Position
+    ids restarting in a row keep packed documents apart (--document-masking): a mask too."""
     extra = ", ".join(sorted(set(batch) - {"input_ids", "labels"}))
-    if extra:
+    fix = ""
+    if "position_ids" in batch:
+        fix = ": pass --no-document-masking (conversations mask by default), or --cp-size 1"
+    if extra and cp_size > 1:
         raise SystemExit(
-            f"error: --cp-size {cp_size}: rows with {extra} need an attention mask, which the ring cannot take"
+            f"error: --cp-size {cp_size}: rows with {extra} need an attention mask, which the ring "
+            f"cannot take{fix}"
         )
 
 

@@ -96,7 +96,9 @@ def main():
     # Everything that can fail on bad input happens before anything is written.
     common.check_save_dir(args.save_dir)
     with common.rank0_first(local=args.node_local_cache):
-        config, tokenizer = common.load_config_and_tokenizer(args.model_name, args.seq_length)
+        config, tokenizer = common.load_config_and_tokenizer(
+            args.model_name, args.seq_length, args.chat_template
+        )
         # --from-pretrained: the published safetensors, downloaded once per node (or a folder's).
         weights = published.pretrained_weights(args.model_name, config) if args.from_pretrained else None
     common.check_compilable(config, use_compile)  # a MoE's router logits and compiled blocks
@@ -105,22 +107,18 @@ def main():
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
     tp.check_tp_size(args.tp_size, config, args.seq_length)  # whole heads and whole tokens per rank
 
-    # --- 3. Data: tokenized, packed into rows, validation rows held out ---
+    # --- 3. Data: text or conversations, tokenized, packed into rows, validation rows held out ---
     with common.rank0_first(local=args.node_local_cache):
         train_data, val_data = common.load_and_pack(
             args.dataset_name, tokenizer, args.seq_length, args.val_fraction,
             min_val_rows=dp_size * args.pp_size * args.batch_size,
+            train_on=args.train_on, document_masking=args.document_masking,
         )  # fmt: skip
+    ring.check_batch(train_data[:1], args.cp_size)  # rows the ring can take, before the model
     # An optimizer step is --grad-accum-steps micro-batches of --pp-size x --batch-size rows on each
     # dp rank (a pipeline's, cut into --pp-microbatches: chapter 08's; pp 1: chapter 05's).
     global_batch_rows = dp_size * args.pp_size * args.batch_size * args.grad_accum_steps
-    steps_per_epoch = len(train_data) // global_batch_rows
-    if steps_per_epoch == 0:
-        raise SystemExit(
-            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} "
-            f"({global_batch_rows} rows a step) is larger than the dataset ({len(train_data)} training "
-            f"rows of {args.seq_length} tokens); pass a smaller --batch-size or --seq-length"
-        )
+    steps_per_epoch = common.steps_per_epoch(train_data, global_batch_rows, args)  # or refused
     total_steps = min(args.num_epochs * steps_per_epoch, args.max_steps or math.inf)
     logger.info(f"{len(train_data)} rows of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
@@ -298,7 +296,17 @@ def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, 
     """Every rank calls this: one optimizer step on --grad-accum-steps micro-batches: loss and
     gradient norm, on device."""
     step_loss = torch.zeros((), device=dims.device)  # with stages, the last stage's losses; 0 on others
-    for micro_step in range(args.grad_accum_steps):
+    with timers("data"):
+        host = [next(batches) for _ in range(args.grad_accum_steps)]  # counted before the copy
+        # Rows train different numbers of tokens: each micro-batch's summed loss over the step's
+        # count sums to the step's mean over its tokens, however they are cut: into micro-batches,
+        # and over every rank's rows: each rank's sum over the job's count per rank, averaged.
+        num_items = common.all_reduce_mean(common.num_items_in_batch(host, dims.device))
+        # A cp rank counts its rows whole but trains a slice of each: the count per cp rank.
+        num_items = num_items / args.cp_size
+        micro_batches = [{k: v.to(dims.device, non_blocking=True) for k, v in b.items()}
+                         for b in host]  # fmt: skip
+    for micro_step, batch in enumerate(micro_batches):
         # FSDP reduce-scatters micro-step gradients into the sharded sum: DDP's no-sync would keep a
         # full fp32 gradient per rank (30 GiB at 8B). Only HSDP's all-reduce awaits the last one.
         if schedule is None:  # with stages, each is FSDP's root, and PipelineStage says when
@@ -307,11 +315,6 @@ def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, 
         # the keys' and values' gradients around the ring too: entered here, closed after backward.
         in_ring = contextlib.ExitStack()
         with timers("data"):
-            batch = {k: v.to(dims.device, non_blocking=True) for k, v in next(batches).items()}
-            # The mean over the micro-step's predicted tokens (HF's loss from labels), however they
-            # are cut: into micro-batches, and over the cp ranks, each with its share of the count.
-            num_items = (batch["labels"][:, 1:] != -100).sum() * args.grad_accum_steps
-            num_items = num_items / args.cp_size
             input_ids, labels, position_ids = in_ring.enter_context(shard_sequences(batch, dims.cp_mesh))
 
         if schedule is not None:
@@ -330,7 +333,6 @@ def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, 
         with timers("forward"), loss_parallel():
             # No KV cache: only generation needs it; its per-layer state makes compile recompile.
             logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-            # Over their count, the micro-batches' losses sum to the gradients of the step's mean.
             loss = next_token_loss(logits, labels, num_items)
             # Backward needs the loss's fp32 log-probabilities, not logits: freed now, not after it.
             del logits
@@ -509,10 +511,9 @@ def apply_tp(model, blocks, tp_mesh):
 def next_token_loss(logits, labels, num_items):
     """Every rank calls this (under loss_parallel, the cross-entropy all-reduces over tp): chapter
     01's loss (HF's from labels): fp32 cross-entropy of next-token predictions, summed and divided
-    by their count in the micro-step (`num_items`), the labels shifted already: a row's tokens may
-    be cut over cp ranks (a slice's last token predicts the next slice's first)."""
-    logits, labels = logits.flatten(0, 1).float(), labels.flatten()
-    loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    by their count in the step (`num_items`; labels -100 ignored), the labels shifted already: a
+    row's tokens may be cut over cp ranks (a slice's last token predicts the next slice's first)."""
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
     # Under loss_parallel, equal on every tp rank: its local copy, which backward goes through.
     return (loss.to_local() if isinstance(loss, DTensor) else loss) / num_items
 
@@ -533,10 +534,12 @@ def shard_sequences(batch, cp_mesh):
     """The batch as this cp rank's slice of each row (chapter 07's): rows cut into 2 x cp chunks,
     the rank keeping the head chunk r and the tail chunk 2cp-1-r (the causal work even), with SDPA
     as ring attention meanwhile. The token ids, the labels shifted on the whole row first, and the
-    positions cut alike: every stage rotates its queries and keys by them. Without cp, the rows."""
+    positions cut alike: every stage rotates its queries and keys by them. Without cp, the rows, and
+    their position ids where they hold them (each packed document attends to itself only)."""
     input_ids = batch["input_ids"]
     labels = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
-    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids).contiguous()
+    pos = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids).contiguous()
+    position_ids = batch.get("position_ids", pos)  # each document's from 0, where rows hold them
     if cp_mesh.size() == 1:  # chapter 05's rows
         yield input_ids, labels, position_ids
         return
@@ -584,9 +587,8 @@ def init_wandb(args, exp_dir, run_id):
 
 def export_hf(model, config, tokenizer, folder, dtype):
     """Every rank calls this: writes a folder that `from_pretrained` and vLLM load, in `dtype`: each
-    rank writes its own shards (DCP's Hugging Face writer), then every rank merges some of the
-    published files from them, a tensor at a time (published.exporting); config and tokenizer beside
-    them."""
+    rank writes its shards (DCP's Hugging Face writer), then every rank merges some of the published
+    files from them, a tensor at a time (published.exporting); config and tokenizer beside them."""
     state = published.published_state(model, get_model_state_dict(model), dtype)  # names and dtypes
     files = published.agree_on_file_index(state)  # which tensor goes in which published file
     with published.exporting(folder, files) as tmp:  # merged, then published whole
@@ -600,20 +602,22 @@ def export_hf(model, config, tokenizer, folder, dtype):
 
 
 def evaluate(model, schedule, val_data, args, dims) -> float:
-    """Every rank calls this: the mean loss over the first --eval-batches global batches of the
-    validation rows, without gradients. It draws no random numbers, so training after it goes on
-    exactly as without it."""
+    """Every rank calls this: the mean loss over the trained tokens of the first --eval-batches
+    global batches of the validation rows, without gradients. It draws no random numbers, so
+    training after it goes on exactly as without it."""
     batch_size = args.pp_size * args.batch_size  # a pipeline's, cut into micro-batches
     global_batch = dims.dp * batch_size
     rows = val_data.select(range(min(len(val_data), args.eval_batches * global_batch) // global_batch * global_batch))
-    # Each dp rank takes every dp_size-th row; the sum of the batches' mean losses is all-reduced.
+    # Each dp rank takes every dp_size-th row; the ranks' sums over one count are all-reduced.
     sampler = DistributedSampler(rows, dims.dp, dims.dp_rank, shuffle=False)
+    batches = list(DataLoader(rows, sampler=sampler, batch_size=batch_size))
+    num_items = common.all_reduce_mean(common.num_items_in_batch(batches, dims.device))
+    num_items = num_items / args.cp_size  # the count per cp rank
     total = torch.zeros((), device=dims.device)
     model.eval()
     with torch.no_grad(), loss_parallel():
-        for batch in DataLoader(rows, sampler=sampler, batch_size=batch_size):
+        for batch in batches:
             batch = {k: v.to(dims.device) for k, v in batch.items()}
-            num_items = (batch["labels"][:, 1:] != -100).sum() / args.cp_size
             with shard_sequences(batch, dims.cp_mesh) as (input_ids, labels, position_ids):
                 if schedule is None:
                     output = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
@@ -624,10 +628,7 @@ def evaluate(model, schedule, val_data, args, dims) -> float:
                                   loss_kwargs=loss_kwargs, return_outputs=False)  # fmt: skip
                     total += sum(losses)
     model.train()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    # Each cp rank's loss estimates its batch's mean (its tokens over its share of their count),
-    # the same on each tp rank: a batch is counted cp x tp times.
-    return total.item() / (len(rows) // batch_size * args.cp_size * args.tp_size)
+    return common.all_reduce_mean(total).item() * args.pp_size  # last stages' sums: as the step's
 
 
 def save_checkpoint(exp_dir, model, optimizer, lr_scheduler, state, device, keep, async_saves=None):

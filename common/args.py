@@ -90,5 +90,13 @@ def base_parser(doc: str, script: str) -> ArgumentParser:
     )
     add("--export-hf", type=export_folder, help="at the end, write a from_pretrained folder here")
     add("--export-dtype", choices=["bfloat16", "float16", "float32"], help="default: the config's")
+    # Conversations (a `messages` column, or `prompt` and `completion`): common/chat.py.
+    add("--train-on", choices=["assistant", "all"], default="assistant", help="trained tokens")
+    add(
+        "--document-masking",
+        action=argparse.BooleanOptionalAction,
+        help="each packed document attends to itself only (default: for conversations, not text)",
+    )
+    add("--chat-template", type=chat_template, help="a Jinja file (a tokenizer without one)")
     return parser
 

@@ -27,26 +27,20 @@ def load_and_pack(
     seq_length: int,
     val_fraction: float,
     min_val_rows: int = 1,
-    train_on: str | None = None,
+    train_on: str = "assistant",
     document_masking: bool | None = None,
 ):
     """(train, validation) rows of `seq_length` tokens from a Hub dataset, a local folder of
     json/jsonl/parquet/csv/txt files, or one such file, cached by `datasets` as int32. A `text`
     column: documents end with EOS, concatenated (no padding). A `messages` column (or `prompt` and
     `completion`): conversations through the tokenizer's chat template, only the assistant's tokens
-    trained unless `train_on` is "all" (common/chat.py), whole in a row; refused where `train_on`
-    is None (a chapter that trains text only). With `document_masking`
+    trained unless `train_on` is "all" (common/chat.py), whole in a row. With `document_masking`
     (the default for conversations) rows hold position ids restarting at each document, from which
     transformers builds a block-causal mask: a document attends to itself only. Validation: the
     `validation` (or `test`) split, else the last `val_fraction` of the rows (None when 0), at least
     `min_val_rows` (one evaluation batch on all ranks: 1% of a small dataset can be fewer rows)."""
     splits = _load(dataset_name)
     kind = chat.kind(splits["train"], dataset_name)
-    if kind != "text" and train_on is None:
-        raise SystemExit(
-            f"error: --dataset-name {dataset_name!r} holds conversations ({kind}): this chapter trains on "
-            "a 'text' column only (tools.prepare packs conversations: --train-on)"
-        )
     masking = kind != "text" if document_masking is None else document_masking
     packing = dict(tokenizer=tokenizer, seq_length=seq_length, masking=masking)
     if kind == "text":
@@ -79,6 +73,21 @@ def load_and_pack(
             "rank); pass a smaller --batch-size or --seq-length"
         )
     return train, val
+
+
+def steps_per_epoch(train_data, global_batch_rows: int, args) -> int:
+    """Optimizer steps in an epoch of `train_data`: refused in one line naming the flags where one
+    step (`global_batch_rows`, --batch-size x --grad-accum-steps on every dp rank) takes more rows
+    than there are."""
+    steps = len(train_data) // global_batch_rows
+    if steps == 0:
+        raise SystemExit(
+            f"error: --batch-size {args.batch_size} x --grad-accum-steps {args.grad_accum_steps} "
+            f"({global_batch_rows} rows a step) is larger than the dataset ({len(train_data)} "
+            f"training rows of {args.seq_length} tokens); pass a smaller --batch-size or "
+            "--seq-length"
+        )
+    return steps
 
 
 def looks_like_path(name: str) -> bool:

@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from harness import FAST_ARGS, REPO, last_line, read_metrics, run_chapter, run_forked
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from common import DEFAULT_MODEL, load_and_pack
 
@@ -87,33 +88,139 @@ def test_bad_conversations_fail_with_one_line(tmp_path, monkeypatch, tokenizer, 
     assert message.startswith("error: --dataset-name") and words in message and "\n" not in message, message
 
 
-def test_a_tokenizer_without_a_template_and_a_text_only_caller_are_refused(tmp_path, monkeypatch, tokenizer):
+def test_a_tokenizer_without_a_template_is_refused_and_prompt_completion_pairs_need_none(tmp_path, monkeypatch, tokenizer):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     data = write_jsonl(tmp_path / "data" / "train.jsonl", [{"messages": [USER, ANSWER]}] * 50)
     bare = copy.deepcopy(tokenizer)
     bare.chat_template = None
     with pytest.raises(SystemExit, match="no chat template to render them: pass --chat-template FILE"):
         load_and_pack(data, bare, 16, 0.0, train_on="assistant")
-    with pytest.raises(SystemExit, match="holds conversations .messages.: this chapter trains on a 'text' column"):
-        load_and_pack(data, tokenizer, 16, 0.0)  # the chapters' call, until they train conversations
     # TRL's prompt-completion strings need no template: the completion and EOS trained.
     pairs = write_jsonl(tmp_path / "pairs" / "train.jsonl", [{"prompt": "2 + 3 =", "completion": " 5"}] * 50)
     rows = load_and_pack(pairs, bare, 16, 0.0, train_on="assistant")[0][:]
     assert tokenizer.decode(rows["input_ids"][0][rows["labels"][0] != -100]) == " 5</s>"
 
 
-def test_a_chapter_refuses_conversations_in_its_last_line(tmp_path):
-    """Through main(), as a user meets it: one error line last, non-zero exit, nothing written."""
-    import subprocess
-    import sys
-    from pathlib import Path
+# --- The step's loss: the mean over its trained tokens, at every layout ---
 
-    repo = Path(__file__).resolve().parents[1]
-    env = {**__import__("os").environ, "HF_HOME": str(tmp_path / "hf"), "WANDB_MODE": "disabled"}
-    run = subprocess.run(
-        [sys.executable, str(repo / "01-single-gpu/train_llm.py"), "--dataset-name", str(repo / CHAT)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    last = (run.stdout + run.stderr).strip().splitlines()[-1]
-    assert run.returncode != 0 and last.startswith("error: --dataset-name") and "holds conversations" in last, last
-    assert not (tmp_path / "outputs").exists()
+
+def direct_loss_and_grads(model, rows):
+    """The mean cross-entropy over every trained token of `rows` at once, and its gradients."""
+    model.zero_grad(set_to_none=True)
+    # No cache: transformers builds the block-causal mask from the position ids only without one.
+    inputs = {"input_ids": rows["input_ids"], "position_ids": rows["position_ids"], "use_cache": False}
+    logits = model(**inputs).logits[:, :-1]
+    labels = rows["labels"][:, 1:]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    loss = loss / (labels != -100).sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+class RecordingSGD(torch.optim.SGD):
+    """lr 0: the weights stay; each step's gradients are kept before train_step clears them."""
+
+    def step(self, closure=None):
+        self.grads = {id(p): p.grad.clone() for group in self.param_groups for p in group["params"]}
+
+
+@pytest.mark.parametrize("accumulation", [1, 2, 4])
+def test_chapter_01s_step_is_the_mean_over_the_trained_tokens(chat_rows, accumulation):
+    """8 rows that train 2 to 44 tokens each, in 1, 2 or 4 micro-batches: the loss and gradients of
+    one step over all trained tokens, not a mean of the micro-batches' means (40% off here)."""
+    import contextlib
+    import types
+
+    from tools.memory import load
+
+    chapter = load("01-single-gpu")
+    rows, _ = chat_rows
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEFAULT_MODEL), dtype=torch.float32)
+    expected_loss, expected_grads = direct_loss_and_grads(model, rows)
+    size = 8 // accumulation
+    batches = iter([{k: v[i : i + size] for k, v in rows.items()} for i in range(0, 8, size)])
+    optimizer = RecordingSGD(model.parameters(), lr=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    args = types.SimpleNamespace(grad_accum_steps=accumulation, max_grad_norm=1e9)
+    timers = lambda name: contextlib.nullcontext()  # noqa: E731
+    loss, _ = chapter.train_step(model, batches, optimizer, schedule, args, timers, contextlib.nullcontext,
+                                 torch.device("cpu"))  # fmt: skip
+    assert abs(loss.item() - expected_loss) <= 1e-5
+    for name, param in model.named_parameters():
+        assert torch.allclose(optimizer.grads[id(param)], expected_grads[name], rtol=1e-4, atol=1e-6), name
+    # The fault this rules out, a mean of the rows' means: the loss barely moves, the gradients do.
+    rows_means = [direct_loss_and_grads(model, {k: v[i : i + 1] for k, v in rows.items()}) for i in range(8)]
+    wrong = {name: sum(grads[name] for _, grads in rows_means) / 8 for name in expected_grads}
+    error = sum((wrong[n] - g).square().sum() for n, g in expected_grads.items()).sqrt()
+    assert error / sum(g.square().sum() for g in expected_grads.values()).sqrt() > 0.1
+
+
+CHAT_ARGS = [*FAST_ARGS, "--dataset-name", str(REPO / CHAT), "--max-steps", "6", "--eval-every", "3"]
+
+
+@pytest.fixture(scope="module")
+def chat_reference(tmp_path_factory, hf_home):
+    """Chapter 01 on the tiny conversations, 8 rows a step in one micro-batch: rows that train 2 to
+    44 tokens each, and each conversation attending to itself only."""
+    save_dir = tmp_path_factory.mktemp("chat")
+    run_chapter("01-single-gpu", *CHAT_ARGS, "--batch-size", "8", "--save-dir", str(save_dir), hf_home=hf_home)
+    return read_metrics(save_dir / "01-single-gpu")
+
+
+# Each the same 8 rows a step as the reference, cut another way: (chapter, ranks, flags).
+LAYOUTS = {
+    # Validation: --eval-batches global batches of dp x --batch-size rows: the same 16 rows.
+    "02-dp2-accum2": ("02-multi-gpu", 2, ["--batch-size", "2", "--grad-accum-steps", "2", "--eval-batches", "4"]),
+    "04-dp2-accum2": ("04-fsdp", 2, ["--batch-size", "2", "--grad-accum-steps", "2", "--eval-batches", "4"]),
+    "05-tp2": ("05-tensor-parallel", 2, ["--batch-size", "8", "--tp-size", "2"]),
+    "08-pp2": ("08-pipeline-parallel", 2, ["--batch-size", "4", "--pp-size", "2"]),
+    "10-pp2-tp2": ("10-nd-parallel", 4, ["--batch-size", "4", "--pp-size", "2", "--tp-size", "2"]),
+}
+
+
+def assert_trains_as(metrics, reference):
+    """Losses, gradient norms and validation losses within 1e-5 of the reference's."""
+    assert sorted(metrics) == sorted(reference) == list(range(1, 7))
+    for step, expected in reference.items():
+        assert abs(metrics[step]["loss"] - expected["loss"]) <= 1e-5, (step, metrics[step], expected)
+        assert abs(metrics[step]["grad_norm"] / expected["grad_norm"] - 1) <= 1e-5, (step, metrics[step])
+        if "val_loss" in expected:
+            assert abs(metrics[step]["val_loss"] - expected["val_loss"]) <= 1e-5, (step, metrics[step])
+    assert sum("val_loss" in m for m in metrics.values()) == 2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_conversations_train_as_in_chapter_01_at_every_layout(tmp_path, hf_home, chat_reference, layout):
+    """Micro-batches, dp ranks, tp ranks and pipeline stages hold different numbers of trained
+    tokens, and each divides its sum by the step's count (common.num_items_in_batch); the position
+    ids that keep conversations apart reach every stage."""
+    chapter, nproc, args = LAYOUTS[layout]
+    run_chapter(chapter, *CHAT_ARGS, *args, "--save-dir", str(tmp_path), nproc=nproc, hf_home=hf_home)
+    assert_trains_as(read_metrics(tmp_path / chapter), chat_reference)
+
+
+def test_context_parallel_counts_each_slice_of_the_rows(tmp_path, hf_home):
+    """Without document masking (which the ring cannot run), conversations on the ring: each cp
+    rank trains its slice of the rows over the step's count per rank, as chapter 01 trains them."""
+    unmasked = [*CHAT_ARGS, "--batch-size", "8", "--no-document-masking"]
+    run_chapter("01-single-gpu", *unmasked, "--save-dir", str(tmp_path), hf_home=hf_home)
+    reference = read_metrics(tmp_path / "01-single-gpu")
+    for chapter in ["07-context-parallel", "10-nd-parallel"]:
+        run_chapter(chapter, *unmasked, "--cp-size", "2", "--save-dir", str(tmp_path), nproc=2, hf_home=hf_home)
+        assert_trains_as(read_metrics(tmp_path / chapter), reference)
+
+
+@pytest.mark.parametrize("chapter", ["07-context-parallel", "10-nd-parallel"])
+def test_the_ring_refuses_documents_kept_apart_before_the_model_is_built(tmp_path, hf_home, chapter):
+    """Ring attention runs causal attention over whole rows: conversations (kept apart by default)
+    are refused at --cp-size 2 in one line naming both ways out, before a model is built."""
+    args = [*CHAT_ARGS, "--cp-size", "2", "--save-dir", str(tmp_path)]
+    code, stderr, _ = run_forked(chapter, *args, nproc=2, hf_home=hf_home)
+    assert code != 0 and last_line(stderr) == (
+        "error: --cp-size 2: rows with position_ids need an attention mask, which the ring cannot take: "
+        "pass --no-document-masking (conversations mask by default), or --cp-size 1"
+    ), stderr[-3000:]
+    assert "parameters" not in stderr and not (tmp_path / chapter).exists()
