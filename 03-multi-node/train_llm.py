@@ -242,11 +242,11 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
     gradient norm, on device."""
     step_loss = 0.0
     with timers("data"):
-        host = [next(batches) for _ in range(args.grad_accum_steps)]  # counted before the copy
-        # Rows train different numbers of tokens: each micro-batch's summed loss over the step's
-        # count sums to the step's mean over its tokens (not a mean of the micro-batches' means).
-        num_items = common.all_reduce_mean(common.num_items_in_batch(host, device))
+        host = [next(batches) for _ in range(args.grad_accum_steps)]
         micro_batches = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in host]
+    # Rows train different numbers of tokens: each micro-batch's summed loss over the step's
+    # count sums to the step's mean over its tokens (not a mean of the micro-batches' means).
+    num_items = common.all_reduce_mean(common.num_items_in_batch(host, device))
     for micro_step, batch in enumerate(micro_batches):
         # DDP all-reduces every backward unless told not to: earlier micro-steps only add locally.
         model.require_backward_grad_sync = micro_step == args.grad_accum_steps - 1

@@ -280,13 +280,13 @@ def train_step(model, batches, optimizer, lr_scheduler, args, timers, autocast, 
     gradient norm, on device."""
     step_loss = 0.0
     with timers("data"):
-        host = [next(batches) for _ in range(args.grad_accum_steps)]  # counted before the copy
-        # Rows train different numbers of tokens: each micro-batch's summed loss over the step's
-        # count sums to the step's mean over its tokens (not a mean of the micro-batches' means).
-        num_items = common.all_reduce_mean(common.num_items_in_batch(host, device))
-        # A cp rank counts its rows whole but trains a slice of each: the count per cp rank.
-        num_items = num_items / args.cp_size
+        host = [next(batches) for _ in range(args.grad_accum_steps)]
         micro_batches = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in host]
+    # Rows train different numbers of tokens: each micro-batch's summed loss over the step's
+    # count sums to the step's mean over its tokens (not a mean of the micro-batches' means).
+    num_items = common.all_reduce_mean(common.num_items_in_batch(host, device))
+    # A cp rank counts its rows whole but trains a slice of each: the count per cp rank.
+    num_items = num_items / args.cp_size
     for micro_step, batch in enumerate(micro_batches):
         # FSDP reduce-scatters micro-step gradients into the sharded sum: DDP's no-sync would keep a
         # full fp32 gradient per rank (30 GiB at 8B). Only HSDP's all-reduce awaits the last one.

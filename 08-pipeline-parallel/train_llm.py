@@ -293,13 +293,13 @@ def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, 
     gradient norm, on device."""
     step_loss = torch.zeros((), device=device)  # the last stage's losses; 0 on the other stages
     with timers("data"):
-        host = [next(batches) for _ in range(args.grad_accum_steps)]  # counted before the copy
-        # Rows train different numbers of tokens: each micro-batch's summed loss over the step's
-        # count sums to the step's mean over its tokens, however the schedule cuts the rows.
-        # Over every rank's rows (each pp rank counts its pipeline's: the world's size divides
-        # that out): each rank's sum over the job's count per rank, averaged.
-        num_items = common.all_reduce_mean(common.num_items_in_batch(host, device))
+        host = [next(batches) for _ in range(args.grad_accum_steps)]
         micro_batches = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in host]
+    # Rows train different numbers of tokens: each micro-batch's summed loss over the step's
+    # count sums to the step's mean over its tokens, however the schedule cuts the rows.
+    # Over every rank's rows (each pp rank counts its pipeline's: the world's size divides
+    # that out): each rank's sum over the job's count per rank, averaged.
+    num_items = common.all_reduce_mean(common.num_items_in_batch(host, device))
     for batch in micro_batches:
         # Position ids, where rows hold them, go to every stage: each document kept apart.
         positions = {"position_ids": batch["position_ids"]} if "position_ids" in batch else {}

@@ -297,15 +297,15 @@ def train_step(model, schedule, batches, optimizer, lr_scheduler, args, timers, 
     gradient norm, on device."""
     step_loss = torch.zeros((), device=dims.device)  # with stages, the last stage's losses; 0 on others
     with timers("data"):
-        host = [next(batches) for _ in range(args.grad_accum_steps)]  # counted before the copy
-        # Rows train different numbers of tokens: each micro-batch's summed loss over the step's
-        # count sums to the step's mean over its tokens, however they are cut: into micro-batches,
-        # and over every rank's rows: each rank's sum over the job's count per rank, averaged.
-        num_items = common.all_reduce_mean(common.num_items_in_batch(host, dims.device))
-        # A cp rank counts its rows whole but trains a slice of each: the count per cp rank.
-        num_items = num_items / args.cp_size
+        host = [next(batches) for _ in range(args.grad_accum_steps)]
         micro_batches = [{k: v.to(dims.device, non_blocking=True) for k, v in b.items()}
                          for b in host]  # fmt: skip
+    # Rows train different numbers of tokens: each micro-batch's summed loss over the step's
+    # count sums to the step's mean over its tokens, however they are cut: into micro-batches,
+    # and over every rank's rows: each rank's sum over the job's count per rank, averaged.
+    num_items = common.all_reduce_mean(common.num_items_in_batch(host, dims.device))
+    # A cp rank counts its rows whole but trains a slice of each: the count per cp rank.
+    num_items = num_items / args.cp_size
     for micro_step, batch in enumerate(micro_batches):
         # FSDP reduce-scatters micro-step gradients into the sharded sum: DDP's no-sync would keep a
         # full fp32 gradient per rank (30 GiB at 8B). Only HSDP's all-reduce awaits the last one.

@@ -265,9 +265,10 @@ FAILS_ON_PURPOSE = {"--dataset-name data/missing": "error: --dataset-name 'data/
 
 def on_a_laptop(run: ChapterRun) -> bool:
     """Whether a CPU runs the chapter as written: one node, a number of processes, no GPU asked for, the tiny
-    default model and data (a real model's steps take minutes on a CPU), and chapter 06 emulating FP8."""
+    default model and embedded data (a real model's steps take minutes on a CPU), and chapter 06 emulating FP8."""
     cpu_only = run.flag("--device") != "cuda" and run.launcher in ("python", "torchrun")
-    defaults = "--model-name" not in run.args and "--dataset-name" not in run.args
+    # The embedded data: the tiny tasks (the default) or the tiny conversations, beside them in common/.
+    defaults = "--model-name" not in run.args and run.flag("--dataset-name") in (None, "common/tiny_chat")
     fp8 = not run.chapter.startswith("06") or "--fp8-emulate" in run.args
     fails = any(text in shlex.join(run.args) for text in FAILS_ON_PURPOSE)
     return cpu_only and run.nodes == 1 and run.per_node.isdigit() and (defaults or fails) and fp8

@@ -85,13 +85,16 @@ def train(family, mesh, tp, cp=1, ep=1):
         dp_mesh = mesh["dp"] if tp > 1 or cp > 1 else mesh
         dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
         batch = rows[dp_rank * 4 // dp_size : (dp_rank + 1) * 4 // dp_size]
-        if cp > 1:  # the chapter's slicing of the rows, and its loss: the rows' mean over the cp ranks
+        if cp > 1:  # the chapter's slicing of the rows, and its loss: each slice's sum over the
+            # rows' count per cp rank (train_step's num_items: one dp rank, every token trained)
+            num_items = torch.tensor(rows[:, 1:].numel() / cp)
             with chapter.shard_sequences({"input_ids": rows, "labels": rows}, mesh["cp"]) as sliced:
-                loss = model(**sliced, use_cache=False).loss
+                loss = model(**sliced, use_cache=False, num_items_in_batch=num_items).loss
                 loss.backward()
         else:
             with loss_parallel():
-                loss = load_loss()(model(input_ids=batch, use_cache=False).logits, batch)
+                # Chapter 05's loss: the sum over the rows' predicted tokens over their count (all trained).
+                loss = load_loss()(model(input_ids=batch, use_cache=False).logits, batch, batch[:, 1:].numel())
                 loss.backward()
         if ep > 1:  # the chapter's train_step: its experts' gradients over ep, the norm over both meshes
             for param in (p for layer in layers for p in layer.parameters()):

@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 from harness import FAST_ARGS, REPO, last_line, read_metrics, run_chapter, run_forked
+from harness import final_weights as harness_final_weights
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from common import DEFAULT_MODEL, load_and_pack
+from common import DEFAULT_MODEL, DEFAULT_MOE_MODEL, load_and_pack
 
 CHAT = "common/tiny_chat"
 
@@ -105,18 +106,28 @@ def test_a_tokenizer_without_a_template_is_refused_and_prompt_completion_pairs_n
 
 
 def direct_loss_and_grads(model, rows):
-    """The mean cross-entropy over every trained token of `rows` at once, and its gradients."""
+    """The mean cross-entropy over every trained token of `rows`, each conversation run alone (no
+    packing: one forward per conversation, from position 0), and its gradients."""
     model.zero_grad(set_to_none=True)
-    # No cache: transformers builds the block-causal mask from the position ids only without one.
-    inputs = {"input_ids": rows["input_ids"], "position_ids": rows["position_ids"], "use_cache": False}
-    logits = model(**inputs).logits[:, :-1]
-    labels = rows["labels"][:, 1:]
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-    loss = loss / (labels != -100).sum()
+    total, count = 0.0, 0
+    for ids, labels, positions in zip(rows["input_ids"], rows["labels"], rows["position_ids"]):
+        starts = (positions == 0).nonzero().flatten().tolist() + [len(ids)]
+        for start, end in zip(starts, starts[1:]):
+            trained = labels[start + 1 : end]
+            if (trained != -100).any():  # padding trains nothing
+                logits = model(input_ids=ids[None, start:end], use_cache=False).logits[0, :-1]
+                total = total + torch.nn.functional.cross_entropy(logits, trained, reduction="sum")
+                count += int((trained != -100).sum())
+    loss = total / count
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return loss.item(), grads
+
+
+def relative_error(grads, expected):
+    error = sum((grads[name] - g).square().sum() for name, g in expected.items()).sqrt()
+    return (error / sum(g.square().sum() for g in expected.values()).sqrt()).item()
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -126,91 +137,123 @@ class RecordingSGD(torch.optim.SGD):
         self.grads = {id(p): p.grad.clone() for group in self.param_groups for p in group["params"]}
 
 
-@pytest.mark.parametrize("accumulation", [1, 2, 4])
-def test_chapter_01s_step_is_the_mean_over_the_trained_tokens(chat_rows, accumulation):
-    """8 rows that train 2 to 44 tokens each, in 1, 2 or 4 micro-batches: the loss and gradients of
-    one step over all trained tokens, not a mean of the micro-batches' means (40% off here)."""
-    import contextlib
-    import types
-
+@pytest.fixture(scope="module")
+def direct(chat_rows):
+    """Chapter 01's module, the tiny model from seed 0, 8 packed rows of conversations, and their
+    loss and gradients computed directly, each conversation alone."""
     from tools.memory import load
 
-    chapter = load("01-single-gpu")
     rows, _ = chat_rows
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEFAULT_MODEL), dtype=torch.float32)
-    expected_loss, expected_grads = direct_loss_and_grads(model, rows)
-    size = 8 // accumulation
-    batches = iter([{k: v[i : i + size] for k, v in rows.items()} for i in range(0, 8, size)])
+    return load("01-single-gpu"), model, rows, *direct_loss_and_grads(model, rows)
+
+
+def chapter_01_step(direct, micro_batches):
+    """Chapter 01's train_step on `micro_batches` (lr 0): its loss and the gradients it made."""
+    import contextlib
+    import types
+
+    chapter, model, *_ = direct
     optimizer = RecordingSGD(model.parameters(), lr=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    args = types.SimpleNamespace(grad_accum_steps=accumulation, max_grad_norm=1e9)
+    args = types.SimpleNamespace(grad_accum_steps=len(micro_batches), max_grad_norm=1e9)
     timers = lambda name: contextlib.nullcontext()  # noqa: E731
-    loss, _ = chapter.train_step(model, batches, optimizer, schedule, args, timers, contextlib.nullcontext,
-                                 torch.device("cpu"))  # fmt: skip
-    assert abs(loss.item() - expected_loss) <= 1e-5
-    for name, param in model.named_parameters():
-        assert torch.allclose(optimizer.grads[id(param)], expected_grads[name], rtol=1e-4, atol=1e-6), name
-    # The fault this rules out, a mean of the rows' means: the loss barely moves, the gradients do.
+    loss, _ = chapter.train_step(model, iter(micro_batches), optimizer, schedule, args, timers,
+                                 contextlib.nullcontext, torch.device("cpu"))  # fmt: skip
+    return loss.item(), {name: optimizer.grads[id(param)] for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize("accumulation", [1, 2, 4])
+def test_chapter_01s_step_is_the_mean_over_the_trained_tokens(direct, accumulation):
+    """8 packed rows that train 2 to 44 tokens each, in 1, 2 or 4 micro-batches: the loss and the
+    gradients of the step are those of its trained tokens' mean, each conversation run alone."""
+    _, _, rows, expected_loss, expected_grads = direct
+    size = 8 // accumulation
+    loss, grads = chapter_01_step(direct, [{k: v[i : i + size] for k, v in rows.items()} for i in range(0, 8, size)])
+    assert abs(loss - expected_loss) <= 1e-5
+    assert relative_error(grads, expected_grads) <= 1e-5
+
+
+def test_the_faults_the_step_rules_out_are_caught(direct):
+    """Each tried on the same rows: a mean of the rows' means (the loss barely moves, the gradients
+    do), and conversations attending across their boundaries (no position ids)."""
+    _, model, rows, expected_loss, expected_grads = direct
     rows_means = [direct_loss_and_grads(model, {k: v[i : i + 1] for k, v in rows.items()}) for i in range(8)]
-    wrong = {name: sum(grads[name] for _, grads in rows_means) / 8 for name in expected_grads}
-    error = sum((wrong[n] - g).square().sum() for n, g in expected_grads.items()).sqrt()
-    assert error / sum(g.square().sum() for g in expected_grads.values()).sqrt() > 0.1
+    mean_of_means = {name: sum(grads[name] for _, grads in rows_means) / 8 for name in expected_grads}
+    assert relative_error(mean_of_means, expected_grads) > 0.1
+    loss, grads = chapter_01_step(direct, [{k: v for k, v in rows.items() if k != "position_ids"}])
+    assert relative_error(grads, expected_grads) > 0.01, relative_error(grads, expected_grads)
 
 
-CHAT_ARGS = [*FAST_ARGS, "--dataset-name", str(REPO / CHAT), "--max-steps", "6", "--eval-every", "3"]
+CHAT_ARGS = [*FAST_ARGS, "--dataset-name", str(REPO / CHAT), "--max-steps", "10", "--eval-every", "5"]
+# Chapter 01's runs the layouts must equal: conversations kept apart (the default), not kept apart
+# (the ring's, 07), and the tiny mixture of experts (its balancing loss off, as 01 trains it).
+REFERENCES = {"masked": [], "unmasked": ["--no-document-masking"], "experts": ["--model-name", DEFAULT_MOE_MODEL]}
 
 
 @pytest.fixture(scope="module")
-def chat_reference(tmp_path_factory, hf_home):
-    """Chapter 01 on the tiny conversations, 8 rows a step in one micro-batch: rows that train 2 to
-    44 tokens each, and each conversation attending to itself only."""
+def chat_references(tmp_path_factory, hf_home):
+    """Chapter 01 on the tiny conversations, 8 rows a step in one micro-batch, for each reference:
+    rows that train 2 to 44 tokens each. Its folder for each."""
     save_dir = tmp_path_factory.mktemp("chat")
-    run_chapter("01-single-gpu", *CHAT_ARGS, "--batch-size", "8", "--save-dir", str(save_dir), hf_home=hf_home)
-    return read_metrics(save_dir / "01-single-gpu")
+    folders = {}
+    for name, args in REFERENCES.items():
+        run_chapter("01-single-gpu", *CHAT_ARGS, *args, "--batch-size", "8", "--experiment-name", name,
+                    "--save-dir", str(save_dir), hf_home=hf_home)  # fmt: skip
+        folders[name] = save_dir / name
+    return folders
 
 
-# Each the same 8 rows a step as the reference, cut another way: (chapter, ranks, flags).
+# Each the same 8 rows a step as its reference, cut another way: (chapter, ranks, flags, reference).
+EXPERTS = ["--aux-loss-coef", "0"]
 LAYOUTS = {
     # Validation: --eval-batches global batches of dp x --batch-size rows: the same 16 rows.
-    "02-dp2-accum2": ("02-multi-gpu", 2, ["--batch-size", "2", "--grad-accum-steps", "2", "--eval-batches", "4"]),
-    "04-dp2-accum2": ("04-fsdp", 2, ["--batch-size", "2", "--grad-accum-steps", "2", "--eval-batches", "4"]),
-    "05-tp2": ("05-tensor-parallel", 2, ["--batch-size", "8", "--tp-size", "2"]),
-    "08-pp2": ("08-pipeline-parallel", 2, ["--batch-size", "4", "--pp-size", "2"]),
-    "10-pp2-tp2": ("10-nd-parallel", 4, ["--batch-size", "4", "--pp-size", "2", "--tp-size", "2"]),
-}
+    "02-dp2-accum2": ("02-multi-gpu", 2, ["--batch-size", "2", "--grad-accum-steps", "2", "--eval-batches", "4"], "masked"),
+    "03-dp2": ("03-multi-node", 2, ["--batch-size", "4"], "masked"),
+    "04-dp2-accum2-checkpointed": ("04-fsdp", 2, ["--batch-size", "2", "--grad-accum-steps", "2", "--eval-batches", "4",
+                                                  "--activation-checkpointing"], "masked"),
+    "04-hsdp": ("04-fsdp", 2, ["--batch-size", "4", "--shard-size", "1"], "masked"),
+    "05-tp2": ("05-tensor-parallel", 2, ["--batch-size", "8", "--tp-size", "2"], "masked"),
+    "07-cp2": ("07-context-parallel", 2, ["--batch-size", "8", "--cp-size", "2", "--no-document-masking"], "unmasked"),
+    "08-pp2": ("08-pipeline-parallel", 2, ["--batch-size", "4", "--pp-size", "2"], "masked"),
+    "09-ep2": ("09-expert-parallel", 2, ["--batch-size", "4", "--ep-size", "2", *EXPERTS], "experts"),
+    "10-pp2-tp2": ("10-nd-parallel", 4, ["--batch-size", "4", "--pp-size", "2", "--tp-size", "2"], "masked"),
+    "10-tp2-cp2": ("10-nd-parallel", 4, ["--batch-size", "8", "--tp-size", "2", "--cp-size", "2",
+                                         "--no-document-masking"], "unmasked"),
+    "10-pp2-ep2": ("10-nd-parallel", 4, ["--batch-size", "2", "--pp-size", "2", "--ep-size", "2"],
+                   "experts"),  # no balancing loss in 10
+}  # fmt: skip
 
 
-def assert_trains_as(metrics, reference):
-    """Losses, gradient norms and validation losses within 1e-5 of the reference's."""
-    assert sorted(metrics) == sorted(reference) == list(range(1, 7))
-    for step, expected in reference.items():
-        assert abs(metrics[step]["loss"] - expected["loss"]) <= 1e-5, (step, metrics[step], expected)
-        assert abs(metrics[step]["grad_norm"] / expected["grad_norm"] - 1) <= 1e-5, (step, metrics[step])
-        if "val_loss" in expected:
-            assert abs(metrics[step]["val_loss"] - expected["val_loss"]) <= 1e-5, (step, metrics[step])
-    assert sum("val_loss" in m for m in metrics.values()) == 2
+def final_weights(exp_dir, tmp_path):
+    """The weights of the run's last checkpoint: chapters 01 to 03's file, or the DCP shards' whole."""
+    checkpoint = exp_dir / "checkpoints" / "step-00000010"
+    if (checkpoint / "model.pt").exists():
+        return {name.removeprefix("module."): w for name, w in torch.load(checkpoint / "model.pt").items()}
+    return harness_final_weights(exp_dir, tmp_path, 10)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_conversations_train_as_in_chapter_01_at_every_layout(tmp_path, hf_home, chat_reference, layout):
-    """Micro-batches, dp ranks, tp ranks and pipeline stages hold different numbers of trained
-    tokens, and each divides its sum by the step's count (common.num_items_in_batch); the position
-    ids that keep conversations apart reach every stage."""
-    chapter, nproc, args = LAYOUTS[layout]
-    run_chapter(chapter, *CHAT_ARGS, *args, "--save-dir", str(tmp_path), nproc=nproc, hf_home=hf_home)
-    assert_trains_as(read_metrics(tmp_path / chapter), chat_reference)
-
-
-def test_context_parallel_counts_each_slice_of_the_rows(tmp_path, hf_home):
-    """Without document masking (which the ring cannot run), conversations on the ring: each cp
-    rank trains its slice of the rows over the step's count per rank, as chapter 01 trains them."""
-    unmasked = [*CHAT_ARGS, "--batch-size", "8", "--no-document-masking"]
-    run_chapter("01-single-gpu", *unmasked, "--save-dir", str(tmp_path), hf_home=hf_home)
-    reference = read_metrics(tmp_path / "01-single-gpu")
-    for chapter in ["07-context-parallel", "10-nd-parallel"]:
-        run_chapter(chapter, *unmasked, "--cp-size", "2", "--save-dir", str(tmp_path), nproc=2, hf_home=hf_home)
-        assert_trains_as(read_metrics(tmp_path / chapter), reference)
+def test_conversations_train_as_in_chapter_01_at_every_layout(tmp_path, hf_home, chat_references, layout):
+    """Micro-batches, dp ranks, tp and cp ranks, pipeline stages and experts' ranks hold different
+    numbers of trained tokens, and each divides its sum by the step's count (common.loss); the
+    position ids that keep conversations apart reach every stage. Every step's loss and gradient
+    norm (relatively), the validation losses and the final weights within 1e-5 of chapter 01's."""
+    chapter, nproc, args, reference = LAYOUTS[layout]
+    run_chapter(chapter, *CHAT_ARGS, *REFERENCES[reference], *args, "--save-dir", str(tmp_path), nproc=nproc,
+                hf_home=hf_home)  # fmt: skip
+    metrics, expected = read_metrics(tmp_path / chapter), read_metrics(chat_references[reference])
+    assert sorted(metrics) == sorted(expected) == list(range(1, 11))
+    for step, want in expected.items():
+        assert abs(metrics[step]["loss"] - want["loss"]) <= 1e-5, (step, metrics[step], want)
+        assert abs(metrics[step]["grad_norm"] / want["grad_norm"] - 1) <= 1e-5, (step, metrics[step], want)
+        if "val_loss" in want:
+            assert abs(metrics[step]["val_loss"] - want["val_loss"]) <= 1e-5, (step, metrics[step], want)
+    assert sum("val_loss" in m for m in metrics.values()) == 2
+    weights, want = final_weights(tmp_path / chapter, tmp_path), final_weights(chat_references[reference], tmp_path)
+    assert weights.keys() == want.keys()
+    assert max((weights[name] - want[name]).abs().max().item() for name in want) <= 1e-5
 
 
 @pytest.mark.parametrize("chapter", ["07-context-parallel", "10-nd-parallel"])
@@ -224,3 +267,32 @@ def test_the_ring_refuses_documents_kept_apart_before_the_model_is_built(tmp_pat
         "pass --no-document-masking (conversations mask by default), or --cp-size 1"
     ), stderr[-3000:]
     assert "parameters" not in stderr and not (tmp_path / chapter).exists()
+
+
+def test_a_model_without_a_template_is_refused_then_given_one_exported_and_asked(tmp_path, hf_home):
+    """Through main(), as a user meets it: conversations and a tokenizer with no chat template are
+    refused in the last line, naming the flag, with nothing written; --chat-template FILE trains
+    them, the export keeps the template, and tools.ask answers through it."""
+    import shutil
+    import subprocess
+    import sys
+
+    from harness import chapter_env
+
+    model = tmp_path / "model"
+    shutil.copytree(REPO / DEFAULT_MODEL, model)
+    (model / "chat_template.jinja").rename(tmp_path / "template.jinja")
+    args = ["--dataset-name", str(REPO / CHAT), "--model-name", str(model), "--save-dir", str(tmp_path / "out")]
+    refused = run_chapter("01-single-gpu", *args, hf_home=hf_home, check=False)
+    assert refused.returncode != 0 and last_line(refused.stderr).startswith("error: --dataset-name")
+    assert "pass --chat-template FILE" in last_line(refused.stderr) and not (tmp_path / "out").exists()
+    export = tmp_path / "hf"
+    run_chapter("01-single-gpu", *args, "--chat-template", str(tmp_path / "template.jinja"), "--max-steps", "2",
+                "--export-hf", str(export), hf_home=hf_home)  # fmt: skip
+    assert (export / "chat_template.jinja").read_text() == (tmp_path / "template.jinja").read_text()
+    ask = [sys.executable, "-m", "tools.ask", str(export), "What is 2 + 3?", "--max-new-tokens", "4"]
+    answer = subprocess.run(ask, cwd=REPO, env=chapter_env(hf_home), capture_output=True, text=True, timeout=300)
+    assert answer.returncode == 0 and answer.stdout.strip(), answer.stderr[-3000:]
+    refused = subprocess.run([*ask[:3], str(model), "Hi"], cwd=REPO, env=chapter_env(hf_home), capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+    assert last_line(refused.stderr) == f"error: {model}'s tokenizer has no chat template: train with --chat-template FILE"

@@ -12,6 +12,7 @@ written tomorrow is taken tomorrow. What the CPU cannot have is mapped, here and
   two per pipeline stage);
 - a Hub dataset (or a corpus the docs made elsewhere) to the embedded one, its rows repeated 16 times:
   20M tokens, about alpaca's, so that a cluster's global batch (70B: 512 rows of 4,096) has its steps;
+  a chat dataset to the tiny conversations (not repeated: a node's batch has its steps);
 - the GPU to the CPU: `--device cuda` (which 03's launchers add) is dropped, chapter 06 emulates FP8
   (--fp8-emulate), Transformer Engine is tests/fake_te, and experts (09, 10) compute in bf16 (grouped_mm's
   fake kernel, as the GPU's, takes nothing else; its all-to-all's split sizes, which fake tensors do not
@@ -30,7 +31,9 @@ from common import DEFAULT_DATASET
 
 SHAPES = {
     "meta-llama/Llama-3.2-1B": "tools/llama_1b_shape",
+    "meta-llama/Llama-3.2-1B-Instruct": "tools/llama_1b_shape",  # the shapes hold the tiny chat template
     "meta-llama/Llama-3.1-8B": "tools/model_shapes/llama-3.1-8b",
+    "meta-llama/Llama-3.1-8B-Instruct": "tools/model_shapes/llama-3.1-8b",
     "meta-llama/Llama-3.1-70B": "tools/model_shapes/llama-3.1-70b",
     "meta-llama/Llama-3.1-405B": "tools/model_shapes/llama-3.1-405b",
     "Qwen/Qwen3-30B-A3B": "tools/model_shapes/qwen3-30b-a3b",
@@ -38,6 +41,7 @@ SHAPES = {
     "/tmp/llama_1b_2_layers": "tools/llama_1b_shape",  # BENCHMARKS.md makes it from that shape (2 blocks)
 }
 DATASETS = {"tatsu-lab/alpaca": DEFAULT_DATASET, "/tmp/corpus/train.jsonl": DEFAULT_DATASET}
+DATASETS["trl-lib/Capybara"] = str(REPO / "common" / "tiny_chat")  # conversations (`messages`)
 BLOCKS = 2
 
 

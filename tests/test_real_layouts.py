@@ -188,7 +188,8 @@ def train_step(chapter, model, fp8):
 
     input_ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     with loss_parallel():
-        loss = chapter.next_token_loss(model(input_ids=input_ids, use_cache=False).logits, input_ids)
+        logits = model(input_ids=input_ids, use_cache=False).logits
+        loss = chapter.next_token_loss(logits, input_ids, input_ids[:, 1:].numel())  # every token trained
         loss.backward()
     if fp8:
         precompute_float8_dynamic_scale_for_fsdp(model)

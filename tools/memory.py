@@ -101,9 +101,17 @@ def tracked_peak(chapter, config, mesh, argv, cp_mesh=None, expert_mesh=None) ->
 
         def batches():
             while True:
-                tracker.reset_mod_stats()  # the tracker takes one forward per module: one micro-step at a time
                 ids = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_length))
                 yield {"input_ids": ids, "labels": ids}
+
+        # The tracker takes one forward per module: one micro-step at a time, the stats cleared
+        # before each forward (train_step takes its micro-batches before the first). A global hook:
+        # it runs before the model's own, FSDP's pre-forward (which the tracker wraps) among them.
+        def reset_stats(module, _):
+            if module is model:
+                tracker.reset_mod_stats()
+
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(reset_stats)
 
         autocast = functools.partial(torch.autocast, device.type, enabled=False)
         micro_batches = batches()
@@ -112,6 +120,7 @@ def tracked_peak(chapter, config, mesh, argv, cp_mesh=None, expert_mesh=None) ->
         step(PhaseTimers(device), autocast, device, *step_args)
         with tracker:
             step(PhaseTimers(device), autocast, device, *step_args)
+        hook.remove()
     return {getattr(kind, "value", kind): value / GIB for kind, value in tracker.get_tracker_snapshot("peak")[device].items()}
 
 
