@@ -36,10 +36,11 @@ def kind(data, dataset_name: str) -> str:
     return "text"
 
 
-def pack(data, split, dataset_name, tokenizer, seq_length, masking, train_on):
+def pack(data, split, dataset_name, tokenizer, seq_length, masking, train_on, num_proc=None):
     """A split of conversations as rows of `seq_length` tokens: input ids, labels (-100 where not
     trained) and, with `masking`, position ids from 0 at each conversation. A conversation longer than
-    a row is dropped, one with nothing to train skipped; both counted in the log."""
+    a row is dropped, one with nothing to train skipped; both counted in the log. Rendered and
+    tokenized by `num_proc` processes (common.data.workers: one per 50,000 conversations)."""
     flag = f"--dataset-name {dataset_name!r}"
     if len(data) == 0:
         raise SystemExit(f"error: {flag}: its {split} split is empty")
@@ -56,6 +57,7 @@ def pack(data, split, dataset_name, tokenizer, seq_length, masking, train_on):
             batched=True,
             with_indices=True,
             fn_kwargs={"tokenizer": tokenizer, "train_on": train_on, "split": split},
+            num_proc=num_proc,
             remove_columns=data.column_names,
             features=datasets.Features({"input_ids": ids, "labels": ids}),
             desc=f"Rendering and tokenizing {split}'s conversations",

@@ -47,7 +47,10 @@ def load_and_pack(
         packed = {n: _pack(s, n, dataset_name, **packing) for n, s in splits.items()}
     else:
         packing["train_on"] = train_on
-        packed = {n: chat.pack(s, n, dataset_name, **packing).with_transform(_rows) for n, s in splits.items()}
+        packed = {
+            n: chat.pack(s, n, dataset_name, **packing, num_proc=workers(len(s))).with_transform(_rows)
+            for n, s in splits.items()
+        }
     train, rows = packed["train"], f"rows of {seq_length} tokens"
     val_split = "validation" if "validation" in packed else "test"
     val = packed.get(val_split)
@@ -73,6 +76,15 @@ def load_and_pack(
             "rank); pass a smaller --batch-size or --seq-length"
         )
     return train, val
+
+
+def workers(documents: int) -> int | None:
+    """Processes that tokenize `documents`: one per 50,000 up to the cores. A worker takes about a
+    second to start: only big datasets get several; else this process maps (None: num_proc=1 would
+    run a forked pool of one and a manager process). `datasets` keys its cache by it too."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    num_proc = min(cores or 1, documents // 50_000)
+    return num_proc if num_proc > 1 else None
 
 
 def steps_per_epoch(train_data, global_batch_rows: int, args) -> int:
@@ -132,10 +144,6 @@ def _pack(data, split, dataset_name, tokenizer, seq_length, masking=False):
         )
     if data.features["text"] != datasets.Value("string"):
         raise SystemExit(f"error: {flag}: its 'text' column holds {data.features['text']}, not str")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # A worker takes about a second to start: only big datasets get several. Else this process maps
-    # (None): num_proc=1 would run a forked pool of one and a manager process.
-    num_proc = min(cores or 1, len(data) // 50_000)
 
     def tokenize_and_pack(batch, indices):
         for text, index in zip(batch["text"], indices):
@@ -166,7 +174,7 @@ def _pack(data, split, dataset_name, tokenizer, seq_length, masking=False):
             with_indices=True,
             remove_columns=data.column_names,
             features=datasets.Features(features),
-            num_proc=num_proc if num_proc > 1 else None,
+            num_proc=workers(len(data)),
             desc=f"Tokenizing and packing {split} into rows of {seq_length} tokens",
         )
     except ValueError as err:
