@@ -256,6 +256,19 @@ def test_conversations_train_as_in_chapter_01_at_every_layout(tmp_path, hf_home,
     assert max((weights[name] - want[name]).abs().max().item() for name in want) <= 1e-5
 
 
+def test_emulated_fp8_trains_conversations_as_chapter_01_within_its_bounds(tmp_path, hf_home, chat_references):
+    """FP8 rounds every matmul's inputs: chapter 06's losses are not chapter 01's, but within chapter
+    06's own bounds of its high-precision run (tests/test_06_fp8.py), and not equal to them."""
+    from harness import losses
+    from test_06_fp8 import BOUND, BOUND_8_STEPS
+
+    run_chapter("06-fp8", *CHAT_ARGS, "--batch-size", "4", "--fp8-emulate", "--save-dir", str(tmp_path), nproc=2,
+                hf_home=hf_home)  # fmt: skip
+    fp8, high = losses(tmp_path / "06-fp8"), losses(chat_references["masked"])
+    differences = [abs(a - b) / b for a, b in zip(fp8, high)]
+    assert len(fp8) == 10 and max(differences[:8]) < BOUND_8_STEPS and 1e-5 < max(differences) < BOUND, differences
+
+
 @pytest.mark.parametrize("chapter", ["07-context-parallel", "10-nd-parallel"])
 def test_the_ring_refuses_documents_kept_apart_before_the_model_is_built(tmp_path, hf_home, chapter):
     """Ring attention runs causal attention over whole rows: conversations (kept apart by default)
