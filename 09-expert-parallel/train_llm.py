@@ -90,8 +90,8 @@ def main():
     common.check_save_dir(args.save_dir)
     with common.rank0_first(local=args.node_local_cache):
         config, tokenizer = common.load_config_and_tokenizer(
-        args.model_name, args.seq_length, args.chat_template
-    )
+            args.model_name, args.seq_length, args.chat_template
+        )
         # --from-pretrained: the published safetensors, downloaded once per node (or a folder's).
         weights = published.pretrained_weights(args.model_name, config) if args.from_pretrained else None
     experts.check_config(config, args, dtype)  # what EP cannot take, in one line, before any build
