@@ -39,6 +39,7 @@ SKIPPED = {
     "variable": "sets a shell variable",
     "placeholder": "a template with placeholders (..., <job id>, [training flags]): its full form is given too",
     "snippet": "a Python snippet of the docs' own (python - / python -c), not a chapter or tool",
+    "measurement": "a measurement script of the tests' folder (tests/prepare_speed.py), minutes of CPU",
     "preflight": "the preflight, a check of the machines: tests/test_preflight.py runs it on CPU 'nodes'",
     "make_tiny_default": "regenerates the embedded default (tests/test_tools.py checks it reproduces the files)",
 }
@@ -182,6 +183,8 @@ def launches(command: Command):
     if program.startswith("python"):
         if argv[1:3] == ["-m", "pytest"]:
             return "skip", SKIPPED["pytest"]
+        if argv[1].startswith("tests/"):
+            return "skip", SKIPPED["measurement"]
         if argv[1] == "-m" and argv[2].startswith("tools."):
             tool = argv[2].removeprefix("tools.")
             if tool == "make_tiny_default":
