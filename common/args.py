@@ -90,7 +90,14 @@ def base_parser(doc: str, script: str) -> ArgumentParser:
     )
     add("--export-hf", type=export_folder, help="at the end, write a from_pretrained folder here")
     add("--export-dtype", choices=["bfloat16", "float16", "float32"], help="default: the config's")
-    # Conversations (a `messages` column, or `prompt` and `completion`): common/chat.py.
+    add_conversation_flags(parser)
+    return parser
+
+
+def add_conversation_flags(parser) -> None:
+    """Conversations (a `messages` column, or `prompt` and `completion`: common/chat.py): the
+    chapters' flags, and tools.prepare's (the cache is keyed by them too)."""
+    add = parser.add_argument
     add("--train-on", choices=["assistant", "all"], default="assistant", help="trained tokens")
     add(
         "--document-masking",
@@ -98,5 +105,4 @@ def base_parser(doc: str, script: str) -> ArgumentParser:
         help="each packed document attends to itself only (default: for conversations, not text)",
     )
     add("--chat-template", type=chat_template, help="a Jinja file (a tokenizer without one)")
-    return parser
 

@@ -12,7 +12,7 @@ import argparse
 import os
 import time
 
-from common.args import chat_template, fraction, seq_length
+from common.args import add_conversation_flags, fraction, seq_length
 from common.data import DEFAULT_DATASET, load_and_pack
 from common.model import DEFAULT_MODEL, load_config_and_tokenizer
 
@@ -23,10 +23,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dataset-name", default=DEFAULT_DATASET, help="Hub dataset name, local folder or file")
     parser.add_argument("--seq-length", type=seq_length, default=128)
     parser.add_argument("--val-fraction", type=fraction, default=0.01, help="as the training job will pass it")
-    # Conversations: as the training job will pass them (the cache is keyed by them too).
-    parser.add_argument("--train-on", choices=["assistant", "all"], default="assistant")
-    parser.add_argument("--document-masking", action=argparse.BooleanOptionalAction)
-    parser.add_argument("--chat-template", type=chat_template, help="a Jinja chat template file")
+    add_conversation_flags(parser)  # as the training job will pass them (the cache is keyed by them)
     args = parser.parse_args(argv)
 
     _, tokenizer = load_config_and_tokenizer(args.model_name, args.seq_length, args.chat_template)
