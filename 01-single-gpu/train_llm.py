@@ -55,11 +55,7 @@ def main():
     export_dtype = getattr(torch, args.export_dtype) if args.export_dtype else config.dtype or torch.float32
 
     # --- 3. Data: text or conversations, tokenized, packed into rows, validation rows held out ---
-    train_data, val_data = common.load_and_pack(
-        args.dataset_name, tokenizer, args.seq_length, args.val_fraction,
-        min_val_rows=args.batch_size,
-        train_on=args.train_on, document_masking=args.document_masking,
-    )  # fmt: skip
+    train_data, val_data = common.load_data(args, tokenizer, val_rows=args.batch_size)
     # An optimizer step trains on --grad-accum-steps micro-batches of --batch-size rows.
     global_batch_rows = args.batch_size * args.grad_accum_steps
     steps_per_epoch = common.steps_per_epoch(train_data, global_batch_rows, args)  # or refused
@@ -89,6 +85,7 @@ def main():
     exp_dir = Path(args.save_dir) / args.experiment_name
     # The data position counts steps of global_batch_rows rows of seq_length tokens.
     layout = {"global_batch_rows": global_batch_rows, "seq_length": args.seq_length}
+    layout["mixture"] = common.mixture_key(train_data)  # its sources and weights (or None)
     state = {"epoch": 0, "epoch_step": 0, "global_step": 0, "wandb_run_id": secrets.token_hex(4), **layout}
     state |= {"running_loss": 0.0, "steps_since_log": 0}  # since the last log: same mean on resume
     checkpoint = common.latest_checkpoint(exp_dir)
@@ -126,6 +123,8 @@ def main():
             # Shuffled like DistributedSampler (a new permutation seeded with seed + epoch), so the
             # multi-GPU chapters see the very same batches.
             sampler = RandomSampler(train_data, generator=torch.Generator().manual_seed(args.seed + state["epoch"]))
+            if isinstance(train_data, common.Mixture):  # in its order: every batch holds its shares
+                sampler = train_data.order(args.seed, state["epoch"])
             # On resume, this epoch's already-trained batches are skipped by index, never loaded.
             indices = list(sampler)[state["epoch_step"] * global_batch_rows :]
             dataloader = DataLoader(
@@ -168,9 +167,9 @@ def main():
                     running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
                 if val_data is not None and not stopping and due(args.eval_every):
-                    val_loss = evaluate(model, val_data, args, device, autocast)
-                    common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
-                    postfix.update(val_loss=f"{val_loss:.3f}")
+                    val = evaluate(model, val_data, args, device, autocast)
+                    common.log_metrics({"step": state["global_step"], **val}, metrics_file)
+                    postfix.update({name: f"{loss:.3f}" for name, loss in val.items()})
                     progress.set_postfix(postfix)
                     log_start = time.perf_counter()  # evaluating is not training: out of tokens/s
 
@@ -258,6 +257,7 @@ def export_hf(model, config, tokenizer, folder, dtype):
     logger.info(f"Exported the model to {folder} in {dtype}")
 
 
+@common.per_source  # {"val_loss": ...}, and a mixture's val_loss/<source>
 def evaluate(model, val_data, args, device, autocast) -> float:
     """The mean loss over the trained tokens of the first --eval-batches global batches of the
     validation rows, without gradients. It draws no random numbers, so training after it goes on

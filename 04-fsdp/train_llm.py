@@ -90,11 +90,7 @@ def main():
 
     # --- 3. Data: text or conversations, tokenized, packed into rows, validation rows held out ---
     with common.rank0_first(local=args.node_local_cache):
-        train_data, val_data = common.load_and_pack(
-            args.dataset_name, tokenizer, args.seq_length, args.val_fraction,
-            min_val_rows=dp_size * args.batch_size,
-            train_on=args.train_on, document_masking=args.document_masking,
-        )  # fmt: skip
+        train_data, val_data = common.load_data(args, tokenizer, val_rows=dp_size * args.batch_size)
     # An optimizer step is --grad-accum-steps micro-batches of --batch-size rows on each dp rank.
     global_batch_rows = dp_size * args.batch_size * args.grad_accum_steps
     steps_per_epoch = common.steps_per_epoch(train_data, global_batch_rows, args)  # or refused
@@ -137,6 +133,7 @@ def main():
     exp_dir = Path(args.save_dir) / args.experiment_name
     # The data position counts steps of global_batch_rows rows of seq_length tokens.
     layout = {"global_batch_rows": global_batch_rows, "seq_length": args.seq_length}
+    layout["mixture"] = common.mixture_key(train_data)  # its sources and weights (or None)
     # One wandb id for the job, drawn by rank 0: every rank must name its run after the same id.
     wandb_run_id = [secrets.token_hex(4)]
     dist.broadcast_object_list(wandb_run_id, src=0)
@@ -177,6 +174,8 @@ def main():
             # global batch, the same rows chapter 01 trains on with a dp_size times larger batch.
             sampler = DistributedSampler(train_data, dp_size, dp_rank, shuffle=True, seed=args.seed, drop_last=True)
             sampler.set_epoch(state["epoch"])
+            if isinstance(train_data, common.Mixture):  # in its order: every batch holds its shares
+                sampler = train_data.order(args.seed, state["epoch"], dp_size, dp_rank)
             # On resume, this epoch's already-trained batches are skipped by index, never loaded.
             indices = list(sampler)[state["epoch_step"] * global_batch_rows // dp_size :]
             dataloader = DataLoader(
@@ -220,9 +219,9 @@ def main():
                     running_loss, steps_since_log, log_start = 0.0, 0, time.perf_counter()
 
                 if val_data is not None and not stopping and due(args.eval_every):
-                    val_loss = evaluate(model, val_data, args, device, autocast, dp_size, dp_rank)
-                    common.log_metrics({"step": state["global_step"], "val_loss": val_loss}, metrics_file)
-                    postfix.update(val_loss=f"{val_loss:.3f}")
+                    val = evaluate(model, val_data, args, device, autocast, dp_size, dp_rank)
+                    common.log_metrics({"step": state["global_step"], **val}, metrics_file)
+                    postfix.update({name: f"{loss:.3f}" for name, loss in val.items()})
                     progress.set_postfix(postfix)
                     log_start = time.perf_counter()  # evaluating is not training: out of tokens/s
 
@@ -397,6 +396,7 @@ def export_hf(model, config, tokenizer, folder, dtype):
     logger.info(f"Exported the model to {folder} in {dtype}")
 
 
+@common.per_source  # {"val_loss": ...}, and a mixture's val_loss/<source>
 def evaluate(model, val_data, args, device, autocast, dp_size, dp_rank) -> float:
     """Every rank calls this: the mean loss over the trained tokens of the first --eval-batches
     global batches of the validation rows, without gradients. It draws no random numbers, so

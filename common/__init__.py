@@ -1,4 +1,5 @@
-"""What every chapter shares, one purpose per module: args (flags), data (and chat: conversations),
+"""What every chapter shares, one purpose per module: args (flags), data (and chat: conversations;
+mixture: several sources),
 model, loss (the mean over trained tokens),
 activation_checkpointing, checkpoints, async_checkpoints, signals (stopping), distributed, logs,
 timers (phases, stragglers), metrics (memory, FLOPs, the NaN guard)."""
@@ -20,10 +21,12 @@ from common.async_checkpoints import AsyncCheckpoints
 from common.checkpoints import check_resume, check_save_dir, check_shared_save_dir, checkpoint_dir
 from common.checkpoints import latest_checkpoint, loading, publish_checkpoint, rng_state, saving
 from common.checkpoints import set_rng_state
-from common.data import DEFAULT_DATASET, load_and_pack, steps_per_epoch
+from common.data import DEFAULT_DATASET, load_and_pack, load_data, steps_per_epoch
 from common.distributed import destroy_process_group_and_exit, no_forward_buffer_sync
 from common.distributed import rank0_first, record
 from common.loss import all_reduce_mean, num_items_in_batch
+from common.mixture import Mixture, per_source
+from common.mixture import key as mixture_key
 from common.logs import log_metrics, setup_logging, wandb_mode
 from common.metrics import NonFiniteGuard, flops_per_token, memory_stats, peak_bf16_flops
 from common.metrics import shard_memory

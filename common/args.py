@@ -59,7 +59,7 @@ def base_parser(doc: str, script: str) -> ArgumentParser:
     add("--experiment-name", default=Path(script).parent.name, help="run folder under --save-dir")
     add("--save-dir", default="outputs")
     add("--model-name", default=DEFAULT_MODEL, help="Hub model name or local folder")
-    add("--dataset-name", default=DEFAULT_DATASET, help="Hub dataset name, local folder or file")
+    add_dataset_flags(parser)
     add("--from-pretrained", action="store_true", help="load the weights, not just the config")
     add("--seed", type=int, default=0)
     add("--num-epochs", type=positive_int, default=1)
@@ -92,6 +92,23 @@ def base_parser(doc: str, script: str) -> ArgumentParser:
     add("--export-dtype", choices=["bfloat16", "float16", "float32"], help="default: the config's")
     add_conversation_flags(parser)
     return parser
+
+
+def add_dataset_flags(parser) -> None:
+    """The data's sources: the chapters' flags, and tools.prepare's."""
+    add = parser.add_argument
+    add(
+        "--dataset-name",
+        nargs="+",
+        default=DEFAULT_DATASET,
+        help="Hub dataset name, local folder or file; several: a mixture (common/mixture.py)",
+    )
+    add(
+        "--dataset-weights",
+        nargs="+",
+        type=positive_float,
+        help="with several --dataset-name: each source's share of the rows, in order (e.g. 6 3 1)",
+    )
 
 
 def add_conversation_flags(parser) -> None:

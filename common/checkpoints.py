@@ -153,8 +153,19 @@ def check_shared_save_dir(checkpoint: Path | None) -> None:
 
 
 def check_resume(checkpoint: Path, state: dict, layout: dict) -> None:
-    """The data position and the LR schedule count global batches of rows of one length: a run may
-    resume on other numbers of ranks or micro-batches only if each step trains the same rows."""
+    """The data position and the LR schedule count global batches of rows of one length, drawn in
+    one order: a run may resume on other numbers of ranks or micro-batches only if each step trains
+    the same rows (a checkpoint from before mixtures has no "mixture": one source)."""
+    if state.get("mixture") != layout["mixture"]:
+        def sources(key):
+            mix = ", ".join(f"{name} {weight:.3g} ({rows} rows)" for name, weight, rows in key or [])
+            return f"the mixture {mix}" if key else "one source"
+
+        raise SystemExit(
+            f"error: {checkpoint} was trained on {sources(state.get('mixture'))}; this run's is "
+            f"{sources(layout['mixture'])}: pass the --dataset-name and "
+            "--dataset-weights it was trained with, or a new --experiment-name"
+        )
     changed = [f"{key} {state[key]} -> {new}" for key, new in layout.items() if state[key] != new]
     if changed:
         raise SystemExit(

@@ -10,7 +10,7 @@ import datasets
 import numpy as np
 import torch
 
-from common import chat
+from common import chat, mixture
 
 from common.logs import first_line
 
@@ -21,14 +21,25 @@ _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "
 _BUILDERS |= {".txt": "text", ".arrow": "arrow"}
 
 
+def load_data(args, tokenizer, val_rows: int = 1):
+    """load_and_pack with the chapters' flags: --dataset-name (several: a mixture at
+    --dataset-weights), --seq-length, --val-fraction, --train-on, --document-masking; at least
+    `val_rows` validation rows (one evaluation batch on all ranks)."""
+    return load_and_pack(
+        args.dataset_name, tokenizer, args.seq_length, args.val_fraction, val_rows,
+        args.train_on, args.document_masking, args.dataset_weights,
+    )  # fmt: skip
+
+
 def load_and_pack(
-    dataset_name: str,
+    dataset_name: str | list[str],
     tokenizer,
     seq_length: int,
     val_fraction: float,
     min_val_rows: int = 1,
     train_on: str = "assistant",
     document_masking: bool | None = None,
+    weights: list[float] | None = None,
 ):
     """(train, validation) rows of `seq_length` tokens from a Hub dataset, a local folder of
     json/jsonl/parquet/csv/txt files, or one such file, cached by `datasets` as int32. A `text`
@@ -38,11 +49,30 @@ def load_and_pack(
     (the default for conversations) rows hold position ids restarting at each document, from which
     transformers builds a block-causal mask: a document attends to itself only. Validation: the
     `validation` (or `test`) split, else the last `val_fraction` of the rows (None when 0), at least
-    `min_val_rows` (one evaluation batch on all ranks: 1% of a small dataset can be fewer rows)."""
-    splits = _load(dataset_name)
-    kind = chat.kind(splits["train"], dataset_name)
-    masking = kind != "text" if document_masking is None else document_masking
-    packing = dict(tokenizer=tokenizer, seq_length=seq_length, masking=masking)
+    `min_val_rows` (one evaluation batch on all ranks: 1% of a small dataset can be fewer rows).
+    Several names, with `weights`: each source packed so, the two a common.mixture.Mixture each
+    (its validation a Mixture of the sources' validation rows)."""
+    names = [dataset_name] if isinstance(dataset_name, str) else list(dataset_name)
+    mixture.check(names, weights)
+    loaded = [_load(name) for name in names]  # every source read before any is packed
+    kinds = [chat.kind(splits["train"], name) for splits, name in zip(loaded, names)]
+    # Rows of a mixture share batches: all hold position ids, or none (text masks if chat does).
+    masking = any(k != "text" for k in kinds) if document_masking is None else document_masking
+    packing = dict(tokenizer=tokenizer, seq_length=seq_length, val_fraction=val_fraction)
+    packing |= dict(min_val_rows=min_val_rows, train_on=train_on, masking=masking)
+    packed = [_split(s, name, kind, **packing) for s, name, kind in zip(loaded, names, kinds)]
+    if len(names) == 1:
+        return packed[0]
+    labels = mixture.labels(names)
+    train = mixture.Mixture(dict(zip(labels, (t for t, _ in packed))), weights)
+    if any(v is None for _, v in packed):  # --val-fraction 0, and a source without a split
+        return train, None
+    return train, mixture.Mixture(dict(zip(labels, (v for _, v in packed))), weights)
+
+
+def _split(splits, dataset_name, kind, val_fraction, min_val_rows, train_on, **packing):
+    """One source's (train, validation) rows: its splits packed, validation held out if none."""
+    seq_length = packing["seq_length"]
     if kind == "text":
         packed = {n: _pack(s, n, dataset_name, **packing) for n, s in splits.items()}
     else:

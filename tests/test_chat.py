@@ -188,8 +188,10 @@ def test_the_faults_the_step_rules_out_are_caught(direct):
 
 CHAT_ARGS = [*FAST_ARGS, "--dataset-name", str(REPO / CHAT), "--max-steps", "10", "--eval-every", "5"]
 # Chapter 01's runs the layouts must equal: conversations kept apart (the default), not kept apart
-# (the ring's, 07), and the tiny mixture of experts (its balancing loss off, as 01 trains it).
+# (the ring's, 07), the tiny mixture of experts (its balancing loss off, as 01 trains it), and the
+# conversations mixed with the tiny text (common/mixture.py: each source's validation loss too).
 REFERENCES = {"masked": [], "unmasked": ["--no-document-masking"], "experts": ["--model-name", DEFAULT_MOE_MODEL]}
+REFERENCES["mixed"] = ["--dataset-name", str(REPO / CHAT), str(REPO / "common/tiny_tasks"), "--dataset-weights", "1", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +220,7 @@ LAYOUTS = {
     "07-cp2": ("07-context-parallel", 2, ["--batch-size", "8", "--cp-size", "2", "--no-document-masking"], "unmasked"),
     "08-pp2": ("08-pipeline-parallel", 2, ["--batch-size", "4", "--pp-size", "2"], "masked"),
     "09-ep2": ("09-expert-parallel", 2, ["--batch-size", "4", "--ep-size", "2", *EXPERTS], "experts"),
-    "10-pp2-tp2": ("10-nd-parallel", 4, ["--batch-size", "4", "--pp-size", "2", "--tp-size", "2"], "masked"),
+    "10-pp2-tp2": ("10-nd-parallel", 4, ["--batch-size", "4", "--pp-size", "2", "--tp-size", "2"], "mixed"),
     "10-tp2-cp2": ("10-nd-parallel", 4, ["--batch-size", "8", "--tp-size", "2", "--cp-size", "2",
                                          "--no-document-masking"], "unmasked"),
     "10-pp2-ep2": ("10-nd-parallel", 4, ["--batch-size", "2", "--pp-size", "2", "--ep-size", "2"],
@@ -248,9 +250,11 @@ def test_conversations_train_as_in_chapter_01_at_every_layout(tmp_path, hf_home,
     for step, want in expected.items():
         assert abs(metrics[step]["loss"] - want["loss"]) <= 1e-5, (step, metrics[step], want)
         assert abs(metrics[step]["grad_norm"] / want["grad_norm"] - 1) <= 1e-5, (step, metrics[step], want)
-        if "val_loss" in want:
-            assert abs(metrics[step]["val_loss"] - want["val_loss"]) <= 1e-5, (step, metrics[step], want)
+        for name in [name for name in want if name.startswith("val_loss")]:  # a mixture's sources' too
+            assert abs(metrics[step][name] - want[name]) <= 1e-5, (step, name, metrics[step], want)
     assert sum("val_loss" in m for m in metrics.values()) == 2
+    if reference == "mixed":
+        assert {"val_loss/tiny_chat", "val_loss/tiny_tasks"} <= set(expected[10]), expected[10]
     weights, want = final_weights(tmp_path / chapter, tmp_path), final_weights(chat_references[reference], tmp_path)
     assert weights.keys() == want.keys()
     assert max((weights[name] - want[name]).abs().max().item() for name in want) <= 1e-5

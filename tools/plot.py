@@ -3,7 +3,8 @@
     python -m tools.plot outputs/01-single-gpu outputs/02-multi-gpu --output loss_curves.png
 
 Each argument is a run folder (--save-dir/--experiment-name). The picture has two panels, training
-loss (validation loss as dots) and tokens/s, against the step, a line per run. Needs matplotlib:
+loss (validation loss as dots; a mixture's sources' as open markers, one shape each) and tokens/s,
+against the step, a line per run. Needs matplotlib:
 `pip install -e '.[plot]'`.
 """
 
@@ -52,6 +53,11 @@ def main(argv=None) -> None:
         line = loss_ax.plot(train, [steps[s]["loss"] for s in train], label=label)[0]
         val = sorted(step for step, record in steps.items() if "val_loss" in record)
         loss_ax.plot(val, [steps[s]["val_loss"] for s in val], "o", color=line.get_color(), markersize=4)
+        sources = sorted({key for record in steps.values() for key in record if key.startswith("val_loss/")})
+        for marker, key in zip("s^vD<>p*" * len(sources), sources):  # a mixture's, source by source
+            at = sorted(step for step, record in steps.items() if key in record)
+            name = f"{label}: {key.removeprefix('val_loss/')}"
+            loss_ax.plot(at, [steps[s][key] for s in at], marker, color=line.get_color(), fillstyle="none", label=name)
         speed_ax.plot(train, [steps[s]["tokens_per_s"] for s in train], label=label)
     loss_ax.set(xlabel="step", ylabel="loss (dots: validation)", title="loss")
     speed_ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
