@@ -9,6 +9,7 @@ reason they leave it (`SKIPPED`): a command of a kind nobody listed fails the te
 written tomorrow is covered tomorrow.
 """
 
+import itertools
 import re
 import shlex
 import subprocess
@@ -75,6 +76,13 @@ class ChapterRun:
 
     def flag(self, name, default=None):
         return self.args[self.args.index(name) + 1] if name in self.args else default
+
+    def values(self, name) -> list[str]:
+        """A flag's values up to the next flag (several --dataset-name: a mixture)."""
+        if name not in self.args:
+            return []
+        after = self.args[self.args.index(name) + 1 :]
+        return list(itertools.takewhile(lambda arg: not arg.startswith("--"), after))
 
 
 def markdown_files() -> list[str]:
@@ -271,7 +279,8 @@ def on_a_laptop(run: ChapterRun) -> bool:
     default model and embedded data (a real model's steps take minutes on a CPU), and chapter 06 emulating FP8."""
     cpu_only = run.flag("--device") != "cuda" and run.launcher in ("python", "torchrun")
     # The embedded data: the tiny tasks (the default) or the tiny conversations, beside them in common/.
-    defaults = "--model-name" not in run.args and run.flag("--dataset-name") in (None, "common/tiny_chat")
+    embedded = set(run.values("--dataset-name")) <= {"common/tiny_tasks", "common/tiny_chat"}
+    defaults = "--model-name" not in run.args and embedded
     fp8 = not run.chapter.startswith("06") or "--fp8-emulate" in run.args
     fails = any(text in shlex.join(run.args) for text in FAILS_ON_PURPOSE)
     return cpu_only and run.nodes == 1 and run.per_node.isdigit() and (defaults or fails) and fp8

@@ -42,6 +42,9 @@ SHAPES = {
 }
 DATASETS = {"tatsu-lab/alpaca": DEFAULT_DATASET, "/tmp/corpus/train.jsonl": DEFAULT_DATASET}
 DATASETS["trl-lib/Capybara"] = str(REPO / "common" / "tiny_chat")  # conversations (`messages`)
+# A mixture's corpora (01's "Mixtures"): three sources the embedded data can be, named apart.
+DATASETS |= {"/data/web": DEFAULT_DATASET, "/data/math": str(REPO / "common" / "tiny_tasks" / "train.parquet")}
+DATASETS["/data/code"] = str(REPO / "common" / "tiny_chat")
 BLOCKS = 2
 
 
@@ -71,8 +74,11 @@ def mapped(run: ChapterRun) -> list[str]:
             args.pop(0)
         elif arg == "--model-name" and args[0] in SHAPES:
             out += [arg, SHAPES[args.pop(0)]]
-        elif arg == "--dataset-name" and args[0] in DATASETS:
-            out += [arg, DATASETS[args.pop(0)]]
+        elif arg == "--dataset-name":  # one source, or a mixture's several
+            out.append(arg)
+            while args and not args[0].startswith("--"):
+                name = args.pop(0)
+                out.append(DATASETS.get(name, name))
         else:
             out.append(arg)
     if run.chapter.startswith("06") and run.flag("--fp8-backend") != "te" and "--fp8-emulate" not in out:
@@ -87,7 +93,7 @@ def job(run: ChapterRun, folder) -> dict:
     """A dry run of `run` in `folder`, for tests/faults/dry_runs.py."""
     # Enough blocks for the command's pipeline stages (two per rank with the looped schedules).
     env = {"PROBE_DRY_RUN": str(folder / "dry_run.json"), "PROBE_DRY_RUN_BLOCKS": max(BLOCKS, 2 * int(run.flag("--pp-size", 1)))}
-    if run.flag("--dataset-name") in DATASETS:
+    if any(name in DATASETS for name in run.values("--dataset-name")):
         env["PROBE_DRY_RUN_DATA_REPEAT"] = 16
     if run.launcher != "python":  # torchrun's variables, for rank 0 of the job
         env |= {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": run.world_size, "GROUP_RANK": 0, "ROLE_RANK": 0,
