@@ -212,7 +212,7 @@ EXPERTS = ["--aux-loss-coef", "0"]
 LAYOUTS = {
     # Validation: --eval-batches global batches of dp x --batch-size rows: the same 16 rows.
     "02-dp2-accum2": ("02-multi-gpu", 2, ["--batch-size", "2", "--grad-accum-steps", "2", "--eval-batches", "4"], "masked"),
-    "03-dp2": ("03-multi-node", 2, ["--batch-size", "4"], "masked"),
+    "03-dp2": ("03-multi-node", 2, ["--batch-size", "4"], "mixed"),
     "04-dp2-accum2-checkpointed": ("04-fsdp", 2, ["--batch-size", "2", "--grad-accum-steps", "2", "--eval-batches", "4",
                                                   "--activation-checkpointing"], "masked"),
     "04-hsdp": ("04-fsdp", 2, ["--batch-size", "4", "--shard-size", "1"], "masked"),
