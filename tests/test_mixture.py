@@ -145,3 +145,13 @@ def test_a_changed_mixture_is_refused_on_resume(tmp_path, hf_home, killed_at_ste
         "was trained with, or a new --experiment-name"
     )
     assert expected in last_lines(proc.stderr), last_lines(proc.stderr)  # quoted by torchrun's summary
+
+
+def test_a_mixture_without_its_weights_is_refused_through_main_before_anything_is_written(tmp_path, hf_home):
+    proc = run_chapter("01-single-gpu", "--dataset-name", *SOURCES, "--save-dir", str(tmp_path / "out"),
+                       hf_home=hf_home, check=False)  # fmt: skip
+    assert proc.returncode != 0 and not (tmp_path / "out").exists()
+    assert last_lines(proc.stderr, 1) == (
+        "error: --dataset-name lists 2 sources: pass --dataset-weights with 2 weights, one per source "
+        "(e.g. --dataset-weights 1 1)"
+    ), last_lines(proc.stderr)
