@@ -36,6 +36,8 @@ def parse_error(*argv: str) -> str:
         (["--keep-checkpoints", "0"], "--keep-checkpoints: must be a positive integer"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["--export-hf", "README.md"], "--export-hf: 'README.md' is a file: pass a folder to export into"),
+        (["--dataset-weights", "0", "1"], "--dataset-weights: must be a finite number > 0, got 0"),
+        (["--dataset-weights", "half"], "--dataset-weights: 'half' is not a number"),
     ],
 )
 def test_flags_that_would_train_wrong_fail_at_parse_time(argv, words):

@@ -9,7 +9,7 @@ import pytest
 from harness import FAST_ARGS, REPO, last_lines, read_metrics, run_chapter
 from transformers import AutoTokenizer
 
-from common import DEFAULT_MODEL, base_parser, load_and_pack
+from common import DEFAULT_MODEL, load_and_pack
 from common.mixture import Mixture
 
 SOURCES = [str(REPO / "common/tiny_tasks"), str(REPO / "common/tiny_chat")]
@@ -43,25 +43,6 @@ def test_each_global_batch_holds_the_weights_shares_at_any_number_of_ranks():
         for start in range(0, len(seen) - size + 1, size):  # each full pass: every row once
             assert sorted(seen[start : start + size]) == list(range(size)), source
     assert mixture.order(0, 1) != mixture.order(0, 0) and mixture.order(1, 0) != mixture.order(0, 0)
-
-
-def parse_error(*argv: str) -> str:
-    with pytest.raises(SystemExit) as exit:
-        base_parser("", "01-single-gpu/train_llm.py").parse_args(argv)
-    return str(exit.value.code)
-
-
-@pytest.mark.parametrize(
-    "argv, words",
-    [
-        (["--dataset-weights", "0", "1"], "--dataset-weights: must be a finite number > 0, got 0"),
-        (["--dataset-weights", "-1"], "--dataset-weights: must be a finite number > 0, got -1"),
-        (["--dataset-weights", "half"], "--dataset-weights: 'half' is not a number"),
-    ],
-)
-def test_bad_weights_fail_at_parse_time(argv, words):
-    message = parse_error(*argv)
-    assert message.startswith("error: ") and words in message, message
 
 
 @pytest.mark.parametrize(
